@@ -1,0 +1,37 @@
+"""Manifold geometry and the ManifoldMuon optimizer.
+
+Public API: ManifoldMuon, steepest_direction, project_to_manifold, manifold_violation,
+MANIFOLD_NAMES, SolverOptions.
+"""
+import torch
+
+from manifolds.dual import SolverOptions, steepest_direction
+from manifolds.geometry import MANIFOLDS
+from manifolds.optimizer import ManifoldMuon
+
+MANIFOLD_NAMES = tuple(MANIFOLDS)
+
+
+def _tall(W):
+    return W.mT if W.size(-2) < W.size(-1) else W
+
+
+def project_to_manifold(W, manifold):
+    """The retraction R applied to an arbitrary W (e.g. an initialisation), same shape as W.
+
+    Stiefel: msign(W); DGram: msign(W N^-1) N with N the column norms (tall orientation).
+    Computed with an exact SVD polar factor, so it is accurate however far W is from the manifold.
+    """
+    geo = MANIFOLDS[manifold]
+    wide = W.size(-2) < W.size(-1)
+    out = geo.retract(_tall(W), near=False)
+    return out.mT if wide else out
+
+
+def manifold_violation(W, manifold):
+    """Distance from the manifold on the tall orientation, as a float (max over a batch).
+
+    Stiefel: max|W^T W - I|;  DGram: max|Off(W^T W)| / max diag(W^T W);  none: 0.
+    """
+    with torch.no_grad():
+        return float(MANIFOLDS[manifold].violation(_tall(W).double()).max())

@@ -1,0 +1,18 @@
+"""Test setup: repository root on sys.path, offline hubs, and the Triton interpreter on CPU.
+
+TRITON_INTERPRET must be set before any @triton.jit function is decorated, so it is set
+here, at collection, and only when there is no CUDA device (library code never sets it).
+"""
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -1,0 +1,244 @@
+"""Geometry, steepest direction and optimizer properties of manifolds/."""
+import math
+
+import pytest
+import torch
+
+from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
+from manifolds.dual import SolverOptions, solve_tall
+from manifolds.geometry import MANIFOLDS
+from reference import optimum, quality, random_point
+
+SHAPES = {"tall": (48, 16), "wide": (16, 48), "square": (24, 24)}
+
+
+# --- projection, violation, retraction --------------------------------------------------
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (32, 32), (3, 40, 10)])
+def test_projection_lands_on_manifold(manifold, shape):
+    W = torch.randn(shape) * 0.02
+    P = project_to_manifold(W, manifold)
+    assert P.shape == W.shape
+    assert manifold_violation(P, manifold) <= 1e-5
+    assert manifold_violation(W, manifold) > 1e-2  # the random start was not on it
+
+
+def test_stiefel_projection_is_the_polar_factor():
+    W = torch.randn(40, 12, dtype=torch.float64)
+    U, _, Vh = torch.linalg.svd(W, full_matrices=False)
+    assert torch.allclose(project_to_manifold(W, "stiefel"), U @ Vh, atol=1e-10)
+
+
+def test_dgram_projection_keeps_column_norms_and_is_a_fixed_point():
+    W = torch.randn(50, 10, dtype=torch.float64) * torch.linspace(0.1, 3.0, 10)
+    P = project_to_manifold(W, "dgram")
+    # R(X) = msign(X N^-1) N keeps every column norm ...
+    assert torch.allclose(P.norm(dim=0), W.norm(dim=0), rtol=1e-10)
+    # ... and leaves points of the manifold where they are (a true retraction).
+    assert torch.allclose(project_to_manifold(P, "dgram"), P, atol=1e-10)
+    # The singular values of a DGram point are its column norms (in their own order).
+    sv = torch.linalg.svdvals(P)
+    assert torch.allclose(sv, P.norm(dim=0).sort(descending=True).values, rtol=1e-10)
+
+
+def test_sorted_singular_value_map_is_not_a_retraction():
+    # The published "U V^T diag(sorted singular values)" moves points already on DGram; ours does not.
+    # column norms not in decreasing order: the sorted map permutes them
+    W = project_to_manifold(torch.randn(30, 6, dtype=torch.float64) * torch.linspace(0.5, 2, 6), "dgram")
+    U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+    published = U @ Vh @ torch.diag(S)
+    assert (published - W).abs().max() > 1e-2
+    assert (project_to_manifold(W, "dgram") - W).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_near_retraction_reaches_fp32_accuracy(manifold):
+    geo = MANIFOLDS[manifold]
+    W, G = random_point((96, 32), manifold, seed=1)
+    stepped = W + 0.01 * W.norm(dim=0).mean() * G / G.norm(dim=0)  # 1% of the column scale
+    assert geo.violation(stepped).max() > 1e-4  # the step leaves the manifold ...
+    assert geo.violation(geo.retract(stepped, near=True)).max() <= 1e-5  # ... and R brings it back
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_tangent_projection_zeroes_the_residual(manifold):
+    geo = MANIFOLDS[manifold]
+    W, G = random_point((40, 10), manifold, seed=2)
+    W, G = project_to_manifold(W.double(), manifold), G.double()
+    T = geo.tangent_projection(W, G)
+    assert geo.tangent_residual(W, G).abs().max() > 1e-2
+    assert geo.tangent_residual(W, T).abs().max() < 1e-10
+    # It is the Euclidean projection: idempotent, and the removed part is orthogonal to T.
+    assert torch.allclose(geo.tangent_projection(W, T), T, atol=1e-10)
+    assert abs(float(((G - T) * T).sum())) < 1e-10
+
+
+def test_violation_definitions():
+    W = torch.eye(6, 3) * 2.0
+    assert manifold_violation(W, "stiefel") == pytest.approx(3.0)  # max |W^T W - I| = 4 - 1
+    assert manifold_violation(W, "dgram") == 0.0  # orthogonal columns, any norms
+    assert manifold_violation(torch.randn(5, 4), "none") == 0.0
+
+
+# --- steepest direction against the float64 reference -----------------------------------
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+@pytest.mark.parametrize("orientation", list(SHAPES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_steepest_direction_quality(manifold, orientation, seed):
+    W, G = random_point(SHAPES[orientation], manifold, seed)
+    opt, upper = optimum(W, G, manifold)
+    assert (upper - opt) / upper < 1e-6  # the reference is certified optimal
+    A = steepest_direction(W, G, manifold)
+    assert A.shape == G.shape
+    assert quality(W, G, A, opt) >= 0.97
+    tall_W, tall_A = (W.mT, A.mT) if orientation == "wide" else (W, A)
+    H = MANIFOLDS[manifold].tangent_residual(tall_W.double(), tall_A.double())
+    relative = H.square().mean().sqrt() / tall_W.double().norm(dim=0).mean()
+    assert relative <= 2e-3
+    assert torch.linalg.matrix_norm(A.double(), ord=2) <= 1.01
+
+
+def test_square_stiefel_direction_is_exact():
+    # Tangent vectors at a square orthogonal W are W K with K skew, so A* = W msign(skew(W^T G)).
+    W, G = random_point((20, 20), "stiefel", seed=3)
+    W, G = W.double(), G.double()
+    C = W.T @ G
+    U, _, Vh = torch.linalg.svd(0.5 * (C - C.T))
+    exact = W @ U @ Vh
+    A = steepest_direction(W, G, "stiefel").double()
+    assert quality(W, G, A, float((G / G.norm() * exact).sum())) >= 0.9999
+
+
+def test_square_dgram_hard_case_ends_tangent():
+    # The dual optimum is degenerate here; the returned direction must still be feasible.
+    W, G = random_point((32, 32), "dgram", seed=4)
+    opt, _ = optimum(W, G, "dgram")
+    for solver in ("dual", "admm"):
+        A = steepest_direction(W, G, "dgram", solver=solver)
+        H = MANIFOLDS["dgram"].tangent_residual(W.double(), A.double())
+        assert H.abs().max() < 1e-5
+        assert torch.linalg.matrix_norm(A.double(), ord=2) <= 1.01
+    assert quality(W, G, steepest_direction(W, G, "dgram"), opt) >= 0.97
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_batch_equals_matrix_by_matrix(manifold):
+    pairs = [random_point((36, 12), manifold, seed=s) for s in range(3)]
+    W = torch.stack([w for w, _ in pairs])
+    G = torch.stack([g for _, g in pairs])
+    batched = steepest_direction(W, G, manifold, tol=0.0)
+    for i, (w, g) in enumerate(pairs):
+        single = steepest_direction(w, g, manifold, tol=0.0)
+        assert torch.allclose(batched[i], single, atol=1e-5)
+
+
+def test_direction_ignores_gradient_scale():
+    W, G = random_point((36, 12), "dgram", seed=5)
+    a = steepest_direction(W, G, "dgram", tol=0.0)
+    b = steepest_direction(W, 1e-4 * G, "dgram", tol=0.0)
+    assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_unknown_solver_option_is_rejected():
+    W, G = random_point((36, 12), "stiefel", seed=6)
+    with pytest.raises(TypeError, match="unknown solver options"):
+        steepest_direction(W, G, "stiefel", dual_stepz=3)
+
+
+def test_adaptive_exit_stops_early_when_converged():
+    W, G = random_point((24, 24), "stiefel", seed=7)  # solved exactly by the first multiplier
+    sol = solve_tall(W, G, "stiefel", None, SolverOptions(dual_steps=20))
+    assert sol.iterations == 0
+
+
+# --- the optimizer ------------------------------------------------------------------------
+
+def make_bank(manifold, shapes, seed=0):
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(project_to_manifold(torch.randn(s) * 0.05, manifold)
+                               if manifold != "none" else torch.randn(s) * 0.05) for s in shapes]
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_parameters_stay_on_manifold_over_many_steps(manifold):
+    params = make_bank(manifold, [(48, 16), (48, 16), (16, 48), (24, 24)])
+    opt = ManifoldMuon([{"params": params, "manifold": manifold}], lr=0.05)
+    start = [p.detach().clone() for p in params]
+    for _ in range(60):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    for p, p0 in zip(params, start):
+        assert manifold_violation(p.detach(), manifold) <= 1e-4
+        assert (p.detach() - p0).abs().max() > 1e-2  # it did move
+
+
+def test_plain_muon_update_with_weight_decay():
+    p = torch.nn.Parameter(torch.randn(32, 8))
+    w0 = p.detach().clone()
+    g = torch.randn(32, 8)
+    p.grad = g.clone()
+    opt = ManifoldMuon([{"params": [p], "manifold": "none"}], lr=0.1, momentum=0.9,
+                       nesterov=True, weight_decay=0.5)
+    opt.step()
+    # first step: buf = g, G = g + 0.9 g; update = -lr * msign(G) after decay (1 - lr * wd)
+    U, _, Vh = torch.linalg.svd(g.double(), full_matrices=False)
+    expected = w0.double() * (1 - 0.1 * 0.5) - 0.1 * U @ Vh
+    assert torch.allclose(p.detach().double(), expected, atol=2e-3)
+
+
+def test_manifold_step_has_spectral_size_lr():
+    params = make_bank("stiefel", [(64, 16)])
+    w0 = params[0].detach().clone()
+    params[0].grad = torch.randn(64, 16)
+    ManifoldMuon([{"params": params, "manifold": "stiefel"}], lr=0.01).step()
+    step = torch.linalg.matrix_norm((params[0].detach() - w0).double(), ord=2)
+    assert 0.009 < float(step) < 0.0105  # lr, no shape factor (retraction changes it by O(lr^2))
+
+
+def test_state_dict_resume_is_bitwise():
+    def run(steps, resume_at=None):
+        params = make_bank("dgram", [(48, 16), (48, 16)], seed=1)
+        opt = ManifoldMuon([{"params": params, "manifold": "dgram"}], lr=0.05, admm_steps=4)
+        gen = torch.Generator().manual_seed(2)
+        for k in range(steps):
+            if k == resume_at:
+                saved_p = [p.detach().clone() for p in params]
+                saved = opt.state_dict()
+                params = [torch.nn.Parameter(s) for s in saved_p]
+                opt = ManifoldMuon([{"params": params, "manifold": "dgram"}], lr=0.05, admm_steps=4)
+                opt.load_state_dict(saved)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return [p.detach() for p in params]
+
+    straight, resumed = run(6), run(6, resume_at=3)
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+def test_group_overrides_and_validation():
+    a, b = make_bank("stiefel", [(32, 8)]), make_bank("dgram", [(32, 8)])
+    opt = ManifoldMuon([{"params": a, "manifold": "stiefel", "lr": 0.1},
+                        {"params": b, "manifold": "dgram", "admm_steps": 3}], lr=0.02)
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[1]["lr"] == 0.02
+    assert opt.param_groups[1]["admm_steps"] == 3
+    with pytest.raises(ValueError, match="unknown manifold"):
+        ManifoldMuon([{"params": make_bank("none", [(4, 4)]), "manifold": "sphere"}])
+    with pytest.raises(ValueError, match="matrices"):
+        ManifoldMuon([{"params": [torch.nn.Parameter(torch.randn(5))], "manifold": "none"}])
+
+
+def test_banks_group_same_shapes():
+    params = make_bank("stiefel", [(32, 8), (32, 8), (8, 32), (16, 16)])
+    opt = ManifoldMuon([{"params": params, "manifold": "stiefel"}])
+    sizes = sorted(len(ps) for _, ps in opt.banks())
+    assert sizes == [1, 1, 2]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert set(opt.last_stats) == {"stiefel:32x8", "stiefel:8x32", "stiefel:16x16"}
+    assert not math.isnan(opt.last_stats["stiefel:32x8"]["residual"])

@@ -1,0 +1,493 @@
+"""Train GPT-2 with module-wise manifold Muon.
+
+    python train_gpt2.py --assign hetero --data-dir data/owt
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py --assign hetero --data-dir data/owt
+
+Each attention and MLP weight matrix is optimized by ManifoldMuon on the manifold that
+--assign gives its module (Stiefel, DGram or none = plain Muon); embeddings and norm gains
+use AdamW. Sections: config -> data -> model -> optimizers -> loop -> eval and outputs.
+"""
+import argparse
+import contextlib
+import glob
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from data.shards import ShardError, open_tokens
+from errors import UserError, run_cli
+from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
+from manifolds.assignment import MATRIX_KEYS, parse_assignment, valid_choices
+
+# ----------------------------------------------------------------------------------------
+# Configuration
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument_group("run")
+    a.add_argument("--assign", default="hetero",
+                   help="manifold per module: a preset (unconstrained, all-stiefel, all-dgram, hetero, "
+                        "hetero-inv) or key=manifold[,...] with keys attn, mlp, attn.qkv, attn.proj, "
+                        "mlp.fc, mlp.proj and manifolds stiefel, dgram, none (default hetero)")
+    a.add_argument("--data-dir", default="data/openwebtext",
+                   help="folder with *train*.bin and *val*.bin token shards (data/prepare.py writes them)")
+    a.add_argument("--out-dir", default="runs/default",
+                   help="folder for config.json, metrics.jsonl and summary.json")
+    a.add_argument("--seed", type=int, default=1337, help="seed of the initialisation and the data order")
+    a.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto = cuda when available, else cpu")
+    a.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="autocast precision of the forward pass; auto = bfloat16 on cuda, float32 on cpu. "
+                        "Master weights and the manifold optimizer stay float32")
+    a.add_argument("--compile", action="store_true", help="torch.compile the model (GPU runs)")
+    a.add_argument("--wandb", choices=("off", "offline", "online"), default="off",
+                   help="Weights & Biases logging; offline writes a local run that `wandb sync` uploads")
+    a.add_argument("--wandb-project", default="manifold-muon-gpt2", help="wandb project name")
+    a.add_argument("--run-name", default=None, help="wandb run name (default: the out-dir name)")
+    m = p.add_argument_group("model (GPT-2 small by default)")
+    m.add_argument("--n-layer", type=int, default=12, help="transformer blocks")
+    m.add_argument("--n-head", type=int, default=12, help="attention heads")
+    m.add_argument("--n-embd", type=int, default=768, help="model width")
+    m.add_argument("--seq-len", type=int, default=1024, help="context length in tokens")
+    m.add_argument("--vocab-size", type=int, default=50304, help="embedding rows (GPT-2's 50257 padded)")
+    t = p.add_argument_group("training")
+    t.add_argument("--batch-size", type=int, default=64, help="sequences per process per micro-step")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    t.add_argument("--max-steps", type=int, default=50000, help="optimizer steps")
+    t.add_argument("--warmup-steps", type=int, default=1000, help="linear warmup steps")
+    t.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate (embeddings, norms)")
+    t.add_argument("--min-lr", type=float, default=6e-5, help="AdamW learning rate at the end of the cosine")
+    t.add_argument("--muon-lr", type=float, default=0.02,
+                   help="peak spectral-norm step of the Muon matrices; follows the AdamW schedule's shape")
+    t.add_argument("--momentum", type=float, default=0.95, help="Muon Nesterov momentum")
+    t.add_argument("--weight-decay", type=float, default=0.1,
+                   help="decoupled weight decay of AdamW 2-D tensors and of unconstrained Muon matrices")
+    t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
+    t.add_argument("--dual-steps", type=int, default=8,
+                   help="most multiplier updates of the dual-ascent solver (square Stiefel matrices)")
+    t.add_argument("--admm-steps", type=int, default=12,
+                   help="most iterations of the ADMM solver (all other constrained matrices)")
+    t.add_argument("--solver", choices=("auto", "dual", "admm"), default="auto",
+                   help="steepest-direction solver; auto picks by shape and manifold")
+    e = p.add_argument_group("evaluation and logging")
+    e.add_argument("--eval-every", type=int, default=250, help="evaluate every N steps (and at the end)")
+    e.add_argument("--eval-tokens", type=int, default=10_485_760,
+                   help="validation tokens per evaluation: a fixed prefix of the val shards")
+    e.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps")
+    return p.parse_args(argv)
+
+
+def validate_args(args):
+    positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "grad_accum",
+                "max_steps", "eval_every", "eval_tokens", "log_every")
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("lr", "muon_lr"):
+        if not getattr(args, name) > 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("min_lr", "weight_decay", "grad_clip", "warmup_steps", "dual_steps", "admm_steps"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(args, name)}")
+    if not 0 <= args.momentum < 1:
+        raise UserError(f"--momentum must be in [0, 1), got {args.momentum}")
+    if args.n_embd % args.n_head:
+        raise UserError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
+    if args.vocab_size > 2**16:
+        raise UserError(f"--vocab-size {args.vocab_size} exceeds what uint16 token shards can hold")
+    args.assignment = parse_assignment(args.assign)
+
+
+# ----------------------------------------------------------------------------------------
+# Data: memory-mapped token shards, read in a deterministic order
+
+
+class TokenStream:
+    """The concatenation of a split's shards, read as windows of seq_len + 1 tokens."""
+
+    def __init__(self, paths, vocab_size):
+        self.paths = paths
+        self.vocab_size = vocab_size
+        try:
+            self.shards = [open_tokens(p) for p in paths]
+        except ShardError as err:
+            raise UserError(str(err)) from None
+        sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
+        self.total = int(self.offsets[-1])
+
+    def read(self, start, length):
+        """Tokens [start, start + length) of the concatenated stream, as int64."""
+        pieces, position = [], start
+        while position < start + length:
+            shard = int(np.searchsorted(self.offsets, position, side="right")) - 1
+            local = position - self.offsets[shard]
+            take = min(start + length - position, len(self.shards[shard]) - local)
+            pieces.append(self.shards[shard][local:local + take])
+            position += take
+        tokens = np.concatenate(pieces).astype(np.int64)
+        if tokens.max(initial=0) >= self.vocab_size:
+            raise UserError(f"token id {int(tokens.max())} >= --vocab-size {self.vocab_size} in "
+                            f"{self.describe(start)}; the shards do not match this model")
+        return tokens
+
+    def describe(self, position):
+        shard = int(np.searchsorted(self.offsets, position, side="right")) - 1
+        return f"{self.paths[shard]} near token {position - self.offsets[shard]}"
+
+
+def find_shards(data_dir, split):
+    if not os.path.isdir(data_dir):
+        raise UserError(f"--data-dir {data_dir} does not exist (write shards with data/prepare.py)")
+    paths = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.bin")))
+    if not paths:
+        raise UserError(f"no {split} shards (*{split}*.bin) in --data-dir {data_dir}")
+    return paths
+
+
+class TrainBatches:
+    """Deterministic training batches: windows of the train stream in a seeded order.
+
+    The stream is cut into windows of seq_len + 1 tokens at stride seq_len; each epoch visits
+    them all in a permutation drawn from (seed, epoch). Global sequence g of the run is window
+    perm_e[g mod N] of epoch e = g div N. Step s, micro-step m and rank r read sequences
+    s*(world*accum*B) + (m*world + r)*B + [0, B): so N ranks x accumulation K see exactly
+    the tokens of 1 rank x accumulation N*K, and the position is a function of the step.
+    """
+
+    def __init__(self, stream, seq_len, batch_size, grad_accum, seed, rank=0, world_size=1):
+        self.stream, self.T, self.B = stream, seq_len, batch_size
+        self.accum, self.seed, self.rank, self.world = grad_accum, seed, rank, world_size
+        self.windows = (stream.total - 1) // seq_len
+        if self.windows < batch_size:
+            raise UserError(f"the train shards hold {stream.total} tokens: fewer than one batch of "
+                            f"{batch_size} x {seq_len + 1} tokens needs")
+        self._epoch, self._perm = None, None
+
+    def _window(self, g):
+        epoch, index = divmod(g, self.windows)
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.windows, generator=gen).numpy()
+            self._epoch = epoch
+        return int(self._perm[index])
+
+    def get(self, step, micro):
+        first = step * self.world * self.accum * self.B + (micro * self.world + self.rank) * self.B
+        rows = [self.stream.read(self._window(g) * self.T, self.T + 1) for g in range(first, first + self.B)]
+        batch = torch.from_numpy(np.stack(rows))
+        return batch[:, :-1], batch[:, 1:]
+
+
+# ----------------------------------------------------------------------------------------
+# Model: GPT-2 without biases, tied embedding and head
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    seq_len: int = 1024
+    vocab_size: int = 50304
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)  # fused Q, K, V
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets):
+        T = idx.size(1)
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x)).float()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+# Module keys of --assign -> parameter-name suffix of the matching Muon matrix in a block.
+MUON_PARAMS = {"attn.qkv": "attn.c_attn.weight", "attn.proj": "attn.c_proj.weight",
+               "mlp.fc": "mlp.c_fc.weight", "mlp.proj": "mlp.c_proj.weight"}
+
+
+def muon_matrices(model):
+    """{module key: [(name, parameter), ...]} over all blocks."""
+    found = {key: [] for key in MATRIX_KEYS}
+    for name, p in model.named_parameters():
+        for key, suffix in MUON_PARAMS.items():
+            if name.endswith(suffix):
+                found[key].append((name, p))
+    return found
+
+
+# ----------------------------------------------------------------------------------------
+# Optimizers: ManifoldMuon for the block matrices, AdamW for everything else
+
+
+def build_optimizers(model, args, device):
+    matrices = muon_matrices(model)
+    muon_ids = {id(p) for entries in matrices.values() for _, p in entries}
+    muon_groups = []
+    with torch.no_grad():
+        for key, entries in matrices.items():
+            manifold = args.assignment[key]
+            for _, p in entries:  # initialisation: project the GPT-2 init onto the manifold
+                if manifold != "none":
+                    p.copy_(project_to_manifold(p, manifold))
+            muon_groups.append({"params": [p for _, p in entries], "manifold": manifold,
+                                "name": f"{key}={manifold}"})
+    muon = ManifoldMuon(muon_groups, lr=args.muon_lr, momentum=args.momentum, nesterov=True,
+                        weight_decay=args.weight_decay, solver=args.solver,
+                        dual_steps=args.dual_steps, admm_steps=args.admm_steps)
+    rest = [p for p in model.parameters() if id(p) not in muon_ids]
+    adamw_groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
+                    {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    adamw = torch.optim.AdamW(adamw_groups, lr=args.lr, betas=(0.9, 0.95),
+                              fused=device.type == "cuda")
+    return muon, adamw
+
+
+def lr_at(step, args):
+    """AdamW learning rate: linear warmup, then cosine decay from --lr to --min-lr."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - args.min_lr)
+
+
+def max_violations(model, assignment):
+    """{manifold: max violation over the Muon matrices assigned to it}."""
+    out = {}
+    for key, entries in muon_matrices(model).items():
+        manifold = assignment[key]
+        for _, p in entries:
+            out[manifold] = max(out.get(manifold, 0.0), manifold_violation(p.detach(), manifold))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Evaluation: a fixed prefix of the validation stream
+
+
+@torch.no_grad()
+def evaluate(model, stream, args, device, autocast):
+    """Mean loss over the first --eval-tokens tokens of the val shards (windows in order)."""
+    windows = min(args.eval_tokens, stream.total - 1) // args.seq_len
+    if windows == 0:
+        raise UserError(f"the val shards hold {stream.total} tokens: fewer than one sequence of "
+                        f"{args.seq_len + 1} tokens")
+    model.eval()
+    total, count = 0.0, 0
+    for first in range(0, windows, args.batch_size):
+        rows = [stream.read(w * args.seq_len, args.seq_len + 1)
+                for w in range(first, min(first + args.batch_size, windows))]
+        batch = torch.from_numpy(np.stack(rows)).to(device)
+        with autocast:
+            loss = model(batch[:, :-1], batch[:, 1:])
+        total += loss.item() * len(rows)
+        count += len(rows)
+    model.train()
+    return total / count, windows * args.seq_len
+
+
+# ----------------------------------------------------------------------------------------
+# Outputs
+
+
+class RunLog:
+    """metrics.jsonl rows, console lines and (optionally) wandb."""
+
+    def __init__(self, out_dir, args):
+        self.metrics = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+        self.wandb = None
+        if args.wandb != "off":
+            import wandb  # imported only when asked for
+            self.wandb = wandb.init(project=args.wandb_project, mode=args.wandb, dir=out_dir,
+                                    name=args.run_name or os.path.basename(os.path.abspath(out_dir)),
+                                    config={k: v for k, v in vars(args).items() if k != "assignment"})
+
+    def row(self, **fields):
+        self.metrics.write(json.dumps(fields) + "\n")
+        self.metrics.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in fields.items() if k != "step"}, step=fields["step"])
+
+    def close(self):
+        self.metrics.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def write_json(path, obj):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def resolve_device(args):
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda was asked for but no CUDA device is available")
+        device = torch.device("cuda")
+    else:
+        device = torch.device("cpu")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    if dtype == "bfloat16":
+        autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    else:
+        autocast = contextlib.nullcontext()
+    return device, dtype, autocast
+
+
+# ----------------------------------------------------------------------------------------
+# Training loop
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    validate_args(args)
+    device, dtype, autocast = resolve_device(args)
+    train_stream = TokenStream(find_shards(args.data_dir, "train"), args.vocab_size)
+    val_stream = TokenStream(find_shards(args.data_dir, "val"), args.vocab_size)
+    batches = TrainBatches(train_stream, args.seq_len, args.batch_size, args.grad_accum, args.seed)
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create --out-dir {args.out_dir}: {err.strerror}") from None
+
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size)
+    model = GPT(cfg).to(device)
+    muon, adamw = build_optimizers(model, args, device)
+    step_model = torch.compile(model) if args.compile else model
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"GPT-2 {args.n_layer}L {args.n_head}H {args.n_embd}D, {n_params / 1e6:.2f}M parameters, "
+          f"{device.type} {dtype}; assign {args.assign}: "
+          + ", ".join(f"{k}={v}" for k, v in args.assignment.items()))
+    print(f"data: {train_stream.total:,} train / {val_stream.total:,} val tokens; "
+          f"{tokens_per_step:,} tokens per step, {args.max_steps} steps")
+    write_json(os.path.join(args.out_dir, "config.json"),
+               {**{k: v for k, v in vars(args).items()}, "device_resolved": device.type,
+                "dtype_resolved": dtype, "n_params": n_params, "tokens_per_step": tokens_per_step})
+    log = RunLog(args.out_dir, args)
+
+    val_loss, train_loss, start = None, None, time.time()
+    for step in range(args.max_steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, args)
+        for group in adamw.param_groups:
+            group["lr"] = lr
+        for group in muon.param_groups:
+            group["lr"] = args.muon_lr * lr / args.lr
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.grad_accum):
+            x, y = (t.to(device, non_blocking=True) for t in batches.get(step, micro))
+            with autocast:
+                loss = step_model(x, y) / args.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t_opt = time.perf_counter()
+        adamw.step()
+        muon.step()
+        adamw.zero_grad(set_to_none=True)
+        muon.zero_grad(set_to_none=True)
+        train_loss = loss_sum.item()  # host sync: also closes the step's timing
+        t1 = time.perf_counter()
+        if not math.isfinite(train_loss):
+            print(f"step {step + 1}: train loss is {train_loss}; stopping", file=sys.stderr)
+            break
+        step_ms, opt_ms = 1000 * (t1 - t0), 1000 * (t1 - t_opt)
+        log.row(step=step + 1, train_loss=train_loss, lr=lr, tokens_per_s=tokens_per_step / (t1 - t0),
+                step_ms=step_ms, opt_ms=opt_ms)
+        if (step + 1) % args.log_every == 0 or step == 0:
+            print(f"step {step + 1:6d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
+                  f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_step / (t1 - t0):,.0f} tok/s",
+                  flush=True)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+            val_loss, eval_tokens = evaluate(step_model, val_stream, args, device, autocast)
+            log.row(step=step + 1, val_loss=val_loss, eval_tokens=eval_tokens)
+            print(f"step {step + 1:6d} | val loss {val_loss:.4f} ({eval_tokens:,} tokens)", flush=True)
+    steps_done = step + 1
+    summary = {"status": "completed" if math.isfinite(train_loss) else "diverged",
+               "steps": steps_done, "tokens": steps_done * tokens_per_step,
+               "final_val_loss": val_loss, "final_train_loss": train_loss,
+               "max_manifold_violation": max_violations(model, args.assignment),
+               "wall_s": time.time() - start}
+    write_json(os.path.join(args.out_dir, "summary.json"), summary)
+    log.close()
+    print(f"done: {json.dumps(summary)}")
+    return summary
+
+
+if __name__ == "__main__":
+    run_cli(main)
