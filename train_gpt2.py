@@ -31,13 +31,17 @@ from manifolds.assignment import MATRIX_KEYS, parse_assignment, valid_choices
 # Configuration
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the module docstring's layout and shows every default."""
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument_group("run")
     a.add_argument("--assign", default="hetero",
                    help="manifold per module: a preset (unconstrained, all-stiefel, all-dgram, hetero, "
                         "hetero-inv) or key=manifold[,...] with keys attn, mlp, attn.qkv, attn.proj, "
-                        "mlp.fc, mlp.proj and manifolds stiefel, dgram, none (default hetero)")
+                        "mlp.fc, mlp.proj and manifolds stiefel, dgram, none")
     a.add_argument("--data-dir", default="data/openwebtext",
                    help="folder with *train*.bin and *val*.bin token shards (data/prepare.py writes them)")
     a.add_argument("--out-dir", default="runs/default",

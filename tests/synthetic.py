@@ -1,0 +1,32 @@
+"""Small learnable token data for trainer tests (no corpus, no tokenizer)."""
+import os
+
+import numpy as np
+
+from data.shards import write_shard
+
+
+def pattern_tokens(n, vocab, seed):
+    """A noisy cycle: token t+1 = (token t + 1) mod vocab most of the time. Learnable fast."""
+    rng = np.random.default_rng(seed)
+    tokens = np.empty(n, dtype=np.int64)
+    tokens[0] = 0
+    jumps = rng.random(n) < 0.1
+    noise = rng.integers(0, vocab, n)
+    for i in range(1, n):
+        tokens[i] = noise[i] if jumps[i] else (tokens[i - 1] + 1) % vocab
+    return tokens
+
+
+def make_shards(data_dir, train_tokens=20000, val_tokens=4000, vocab=64, train_shards=2):
+    os.makedirs(data_dir, exist_ok=True)
+    train = pattern_tokens(train_tokens, vocab, seed=0)
+    for i, part in enumerate(np.array_split(train, train_shards)):
+        write_shard(os.path.join(data_dir, f"train_{i:06d}.bin"), part)
+    write_shard(os.path.join(data_dir, "val_000000.bin"), pattern_tokens(val_tokens, vocab, seed=1))
+    return data_dir
+
+
+TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
+              "--vocab-size", "64", "--batch-size", "8", "--device", "cpu", "--wandb", "off",
+              "--log-every", "1000"]

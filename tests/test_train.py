@@ -1,0 +1,124 @@
+"""End-to-end behaviour of train_gpt2.py on tiny synthetic data."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_gpt2
+from manifolds.assignment import PRESETS
+from synthetic import TINY_MODEL, make_shards
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_shards(str(tmp_path_factory.mktemp("data")))
+
+
+def train(data_dir, out_dir, *extra):
+    argv = ["--data-dir", data_dir, "--out-dir", str(out_dir), *TINY_MODEL, *extra]
+    return train_gpt2.main(argv)
+
+
+def read_rows(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_loss_decreases_for_every_preset(preset, data_dir, tmp_path):
+    summary = train(data_dir, tmp_path, "--assign", preset, "--max-steps", "40", "--warmup-steps", "5",
+                    "--lr", "3e-3", "--min-lr", "3e-4", "--muon-lr", "0.05", "--eval-every", "20",
+                    "--eval-tokens", "1024")
+    rows = [r for r in read_rows(tmp_path) if "train_loss" in r]
+    evals = [r for r in read_rows(tmp_path) if "val_loss" in r]
+    first = sum(r["train_loss"] for r in rows[:3]) / 3
+    last = sum(r["train_loss"] for r in rows[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert summary["status"] == "completed"
+    for manifold, violation in summary["max_manifold_violation"].items():
+        assert violation <= 1e-4, (manifold, violation)
+
+
+def test_outputs_and_their_fields(data_dir, tmp_path):
+    summary = train(data_dir, tmp_path, "--assign", "hetero", "--max-steps", "6", "--eval-every", "3",
+                    "--eval-tokens", "512", "--warmup-steps", "2")
+    config = json.load(open(tmp_path / "config.json"))
+    assert config["assign"] == "hetero" and config["n_embd"] == 32
+    rows = read_rows(tmp_path)
+    train_rows = [r for r in rows if "train_loss" in r]
+    eval_rows = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 7))
+    assert [r["step"] for r in eval_rows] == [3, 6]
+    for r in train_rows:
+        assert {"step", "train_loss", "lr", "tokens_per_s", "step_ms", "opt_ms"} <= set(r)
+        assert 0 < r["opt_ms"] < r["step_ms"]
+    on_disk = json.load(open(tmp_path / "summary.json"))
+    assert on_disk == json.loads(json.dumps(summary))
+    assert on_disk["status"] == "completed" and on_disk["steps"] == 6
+    assert on_disk["tokens"] == 6 * 8 * 32
+    assert on_disk["final_val_loss"] == eval_rows[-1]["val_loss"]
+    assert on_disk["final_train_loss"] == train_rows[-1]["train_loss"]
+    assert set(on_disk["max_manifold_violation"]) == {"stiefel", "dgram"}
+
+
+def test_validation_loss_is_a_fixed_token_set(data_dir, tmp_path):
+    # Same weights, same --eval-tokens: the same number, however often it is computed.
+    args = train_gpt2.parse_args(["--data-dir", data_dir, *TINY_MODEL, "--eval-tokens", "640"])
+    train_gpt2.validate_args(args)
+    torch.manual_seed(0)
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 32, 64))
+    stream = train_gpt2.TokenStream(train_gpt2.find_shards(data_dir, "val"), 64)
+    device, _, autocast = train_gpt2.resolve_device(args)
+    first = train_gpt2.evaluate(model, stream, args, device, autocast)
+    second = train_gpt2.evaluate(model, stream, args, device, autocast)
+    assert first == second and first[1] == 640
+
+
+def test_training_is_deterministic(data_dir, tmp_path):
+    a = train(data_dir, tmp_path / "a", "--max-steps", "4", "--eval-every", "4", "--eval-tokens", "256")
+    b = train(data_dir, tmp_path / "b", "--max-steps", "4", "--eval-every", "4", "--eval-tokens", "256")
+    assert a["final_train_loss"] == b["final_train_loss"] and a["final_val_loss"] == b["final_val_loss"]
+
+
+def test_batches_partition_the_global_batch_across_ranks(data_dir):
+    # N ranks x accumulation K read exactly the sequences of 1 rank x accumulation N*K.
+    stream = train_gpt2.TokenStream(train_gpt2.find_shards(data_dir, "train"), 64)
+    single = train_gpt2.TrainBatches(stream, 32, 4, grad_accum=4, seed=3)
+    ranks = [train_gpt2.TrainBatches(stream, 32, 4, grad_accum=2, seed=3, rank=r, world_size=2)
+             for r in range(2)]
+    for step in range(3):
+        want = torch.cat([single.get(step, m)[0] for m in range(4)])
+        got = torch.cat([ranks[r].get(step, m)[0] for m in range(2) for r in range(2)])
+        assert torch.equal(want, got)
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), *argv],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("spec", ["hetro", "attn=sphere", "ffn=stiefel"])
+def test_bad_assign_is_a_clean_error(spec, data_dir, tmp_path):
+    result = run_cli("--assign", spec, "--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *TINY_MODEL)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ")
+    assert "Traceback" not in result.stderr
+    assert "hetero" in result.stderr and "stiefel" in result.stderr  # lists the valid choices
+    assert not (tmp_path / "o").exists()  # nothing written
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--n-embd", "30", "--n-head", "4"], "not divisible"),
+    (["--muon-lr", "0"], "--muon-lr must be positive"),
+    (["--lr", "-1"], "--lr must be positive"),
+    (["--data-dir", "/nonexistent/shards"], "does not exist"),
+])
+def test_bad_flags_are_clean_errors(flags, message, data_dir, tmp_path):
+    result = run_cli("--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *TINY_MODEL, *flags)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
