@@ -81,7 +81,7 @@ def parse_args(argv=None):
     t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
     t.add_argument("--dual-steps", type=int, default=8,
                    help="most multiplier updates of the dual-ascent solver (square Stiefel matrices)")
-    t.add_argument("--admm-steps", type=int, default=12,
+    t.add_argument("--admm-steps", type=int, default=8,
                    help="most iterations of the ADMM solver (all other constrained matrices)")
     t.add_argument("--solver", choices=("auto", "dual", "admm"), default="auto",
                    help="steepest-direction solver; auto picks by shape and manifold")
