@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from data.progress import require_finished
 from data.shards import ShardError, open_tokens
 from errors import UserError, run_cli
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
@@ -152,6 +153,7 @@ class TokenStream:
 def find_shards(data_dir, split):
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir} does not exist (write shards with data/prepare.py)")
+    require_finished(data_dir)
     paths = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.bin")))
     if not paths:
         raise UserError(f"no {split} shards (*{split}*.bin) in --data-dir {data_dir}")
