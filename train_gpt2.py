@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from data.progress import require_finished
 from data.shards import ShardError, open_tokens
 from errors import UserError, run_cli
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
@@ -205,6 +206,7 @@ class TokenStream:
 def find_shards(data_dir, split):
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir} does not exist (write shards with data/prepare.py)")
+    require_finished(data_dir)
     paths = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.bin")))
     if not paths:
         raise UserError(f"no {split} shards (*{split}*.bin) in --data-dir {data_dir}")
