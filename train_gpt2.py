@@ -28,6 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data.progress import require_finished
 from data.shards import ShardError, open_tokens
 from errors import UserError, run_cli
+from training.checkpoints import checkpoint_path, load_checkpoint, load_newest, save_atomic, save_checkpoint
+from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
 from manifolds.assignment import MATRIX_KEYS, parse_assignment, valid_choices
 
@@ -91,19 +93,33 @@ def parse_args(argv=None):
     e.add_argument("--eval-tokens", type=int, default=10_485_760,
                    help="validation tokens per evaluation: a fixed prefix of the val shards")
     e.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps")
+    r = p.add_argument_group("checkpoints and failures")
+    r.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps (0 = only on interrupt)")
+    r.add_argument("--keep-ckpts", type=int, default=2, help="how many rotating checkpoints to keep")
+    r.add_argument("--resume", default=None, metavar="auto|PATH",
+                   help="continue a run: `auto` = newest valid checkpoint in --out-dir, or a checkpoint file")
+    r.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out-dir that holds another run (deletes its logs and checkpoints)")
+    r.add_argument("--diverge-factor", type=float, default=3.0,
+                   help="a train or val loss above this times the best val loss so far counts as divergence "
+                        "(as does a non-finite loss)")
+    r.add_argument("--on-diverge", choices=("stop", "continue"), default="stop",
+                   help="stop: checkpoint for post-mortem and exit with status 3; continue: record and go on")
     return p.parse_args(argv)
 
 
 def validate_args(args):
     positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "grad_accum",
-                "max_steps", "eval_every", "eval_tokens", "log_every")
+                "max_steps", "eval_every", "eval_tokens", "log_every", "keep_ckpts")
     for name in positive:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("lr", "muon_lr"):
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("min_lr", "weight_decay", "grad_clip", "warmup_steps", "dual_steps", "admm_steps"):
+    if not args.diverge_factor > 1:
+        raise UserError(f"--diverge-factor must be above 1, got {args.diverge_factor}")
+    for name in ("min_lr", "weight_decay", "grad_clip", "warmup_steps", "dual_steps", "admm_steps", "ckpt_every"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(args, name)}")
     if not 0 <= args.momentum < 1:
@@ -421,8 +437,11 @@ def evaluate(model, stream, args, device, autocast, env=DistEnv()):
 class RunLog:
     """metrics.jsonl rows, console lines and (optionally) wandb."""
 
-    def __init__(self, out_dir, args):
-        self.metrics = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+    def __init__(self, out_dir, args, resume_step=None):
+        path = os.path.join(out_dir, "metrics.jsonl")
+        if resume_step is not None:
+            keep_rows_until(path, resume_step)
+        self.metrics = open(path, "a")
         self.wandb = None
         if args.wandb != "off":
             import wandb  # imported only when asked for
@@ -440,6 +459,18 @@ class RunLog:
         self.metrics.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def keep_rows_until(path, step):
+    """Drop metrics rows past `step` (written after the checkpoint we resume from), so each
+    step appears once however often a run is interrupted."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(f"{path}.tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(f"{path}.tmp", path)
 
 
 def write_json(path, obj):
@@ -481,15 +512,94 @@ def communication_bytes_per_step(model, muon, env):
     return int(2 * (n - 1) / n * grads + (n - 1) / n * banks)
 
 
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json")
+SHAPE_ARGS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "assign")
+
+
 def main(argv=None):
     args = parse_args(argv)
     validate_args(args)
+    check_out_dir(args)
     env = init_distributed(args)
     try:
-        return train(args, env)
+        summary = train(args, env)
     finally:
         if env.world_size > 1:
             dist.destroy_process_group()
+    if summary["status"] == "diverged" and args.on_diverge == "stop":
+        sys.exit(EXIT_DIVERGED)
+    if summary["status"] == "interrupted":
+        sys.exit(EXIT_INTERRUPTED)
+    return summary
+
+
+def check_out_dir(args):
+    """Refuse to mix two runs in one folder, to resume nothing, or to write where we cannot."""
+    holds_run = any(os.path.exists(os.path.join(args.out_dir, f)) for f in RUN_FILES)
+    if args.resume is None and holds_run and not args.overwrite:
+        raise UserError(f"--out-dir {args.out_dir} holds another run; pass --resume auto to continue it "
+                        "or --overwrite to start afresh there")
+    if args.resume is not None and args.overwrite:
+        raise UserError("--resume and --overwrite contradict each other")
+    if args.resume == "auto" and not glob.glob(os.path.join(args.out_dir, "ckpt_*.pt")):
+        raise UserError(f"--resume auto: no checkpoint in --out-dir {args.out_dir} (drop --resume to start afresh)")
+    if args.resume not in (None, "auto") and not os.path.isfile(args.resume):
+        raise UserError(f"--resume {args.resume}: no such checkpoint file")
+    existing = args.out_dir
+    while not os.path.exists(existing):
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.path.isdir(existing):
+        raise UserError(f"--out-dir {args.out_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out-dir {args.out_dir} is not writable")
+
+
+def clear_run(out_dir):
+    for path in [os.path.join(out_dir, f) for f in RUN_FILES] + glob.glob(os.path.join(out_dir, "*.pt")):
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def find_resume_checkpoint(args, say):
+    if args.resume == "auto":
+        path, payload = load_newest(args.out_dir, say)
+        if payload is None:
+            raise UserError(f"--resume auto: no readable checkpoint in --out-dir {args.out_dir}")
+        return path, payload
+    try:
+        return args.resume, load_checkpoint(args.resume)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
+def checkpoint_payload(step, model, adamw, muon_state, losses, args):
+    return {"format": "manifold-muon-ckpt-1", "step": step, "model": model.state_dict(),
+            "adamw": adamw.state_dict(), "muon": muon_state, **losses,
+            "args": {k: v for k, v in vars(args).items() if k != "assignment"},
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
+
+
+def restore(payload, model, adamw, muon, args):
+    saved = payload["args"]
+    changed = [k for k in SHAPE_ARGS if saved.get(k) != getattr(args, k)]
+    if changed:
+        raise UserError("cannot resume: the checkpoint was written with a different "
+                        + ", ".join(f"--{k.replace('_', '-')} ({saved.get(k)} there, {getattr(args, k)} now)"
+                                    for k in changed))
+    model.load_state_dict(payload["model"])
+    adamw.load_state_dict(payload["adamw"])
+    muon.load_state_dict(payload["muon"])
+    torch.set_rng_state(payload["rng"]["cpu"])
+    if payload["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
+
+
+def diagnostics(model, args, train_loss, lr, grad_norm):
+    """What a post-mortem of a diverged run needs first."""
+    return {"train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
+            "param_max_abs": max(float(p.detach().abs().max()) for p in model.parameters()),
+            "max_manifold_violation": max_violations(model, args.assignment)}
 
 
 def train(args, env):
@@ -498,17 +608,26 @@ def train(args, env):
     val_stream = TokenStream(find_shards(args.data_dir, "val"), args.vocab_size)
     batches = TrainBatches(train_stream, args.seq_len, args.batch_size, args.grad_accum, args.seed,
                            env.rank, env.world_size)
+    say = print if env.is_main else (lambda *a, **k: None)
+    resume_path, payload = find_resume_checkpoint(args, say) if args.resume else (None, None)
     if env.is_main:
         try:
             os.makedirs(args.out_dir, exist_ok=True)
         except OSError as err:
             raise UserError(f"cannot create --out-dir {args.out_dir}: {err.strerror}") from None
-    say = print if env.is_main else (lambda *a, **k: None)
+        if args.overwrite:
+            clear_run(args.out_dir)
 
     torch.manual_seed(args.seed)  # the same initialisation on every rank
     cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size)
     model = GPT(cfg).to(device)
     muon, adamw = build_optimizers(model, args, device)
+    start_step, best_val, val_loss, train_loss = 0, math.inf, None, None
+    if payload is not None:
+        restore(payload, model, adamw, muon, args)
+        start_step, best_val = payload["step"], payload["best_val_loss"]
+        val_loss, train_loss = payload["val_loss"], payload["train_loss"]
+        say(f"resuming from {resume_path} at step {start_step}")
     step_model = torch.compile(model) if args.compile else model
     if env.world_size > 1:  # gradient all-reduce, bucketed and overlapped with the backward
         step_model = DDP(step_model, device_ids=[env.local_rank] if device.type == "cuda" else None)
@@ -527,10 +646,22 @@ def train(args, env):
                    {**vars(args), "device_resolved": device.type, "dtype_resolved": dtype,
                     "world_size": env.world_size, "n_params": n_params,
                     "tokens_per_step": tokens_per_step, "comm_bytes_per_step": comm_bytes})
-        log = RunLog(args.out_dir, args)
+        log = RunLog(args.out_dir, args, resume_step=start_step if payload else None)
 
-    val_loss, train_loss, start = None, None, time.time()
-    for step in range(args.max_steps):
+    def checkpoint(step, prefix="ckpt"):
+        muon_state = muon.consolidated_state_dict()  # a collective: every rank takes part
+        if env.is_main:
+            losses = {"best_val_loss": best_val, "val_loss": val_loss, "train_loss": train_loss}
+            state = checkpoint_payload(step, model, adamw, muon_state, losses, args)
+            if prefix == "ckpt":
+                save_checkpoint(state, args.out_dir, step, args.keep_ckpts)
+            else:
+                save_atomic(state, checkpoint_path(args.out_dir, step, prefix))
+
+    stop = StopRequest().install()
+    status, diverged, step, saved_step = "completed", None, start_step - 1, start_step
+    start = time.time()
+    for step in range(start_step, args.max_steps):
         t0 = time.perf_counter()
         lr = lr_at(step, args)
         for group in adamw.param_groups:
@@ -547,8 +678,7 @@ def train(args, env):
                     loss = step_model(x, y) / args.grad_accum
                 loss.backward()
             loss_sum += loss.detach()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_opt = time.perf_counter()
@@ -559,19 +689,19 @@ def train(args, env):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        train_loss = all_reduce_sum([loss_sum.item()], env, device)[0] / env.world_size
-        if not math.isfinite(train_loss):
-            say(f"step {step + 1}: train loss is {train_loss}; stopping", file=sys.stderr)
-            break
+        # one reduction carries the loss and whether any rank was asked to stop
+        loss_total, stops = all_reduce_sum([loss_sum.item(), float(stop.requested)], env, device)
+        train_loss, stop_now = loss_total / env.world_size, stops > 0
         step_ms, opt_ms = 1000 * (t1 - t0), 1000 * (t1 - t_opt)
         if log:
-            log.row(step=step + 1, train_loss=train_loss, lr=lr, tokens_per_s=tokens_per_step / (t1 - t0),
-                    step_ms=step_ms, opt_ms=opt_ms)
-        if (step + 1) % args.log_every == 0 or step == 0:
+            log.row(step=step + 1, train_loss=train_loss, lr=lr, grad_norm=float(grad_norm),
+                    tokens_per_s=tokens_per_step / (t1 - t0), step_ms=step_ms, opt_ms=opt_ms)
+        if (step + 1) % args.log_every == 0 or step == start_step:
             say(f"step {step + 1:6d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
                 f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_step / (t1 - t0):,.0f} tok/s",
                 flush=True)
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+        evaluated = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
+        if evaluated and math.isfinite(train_loss):
             val_loss, eval_tokens = evaluate(model, val_stream, args, device, autocast, env)
             replica_diff = replica_max_abs_diff(model, env)
             if log:
@@ -579,13 +709,34 @@ def train(args, env):
                         replica_max_abs_diff=replica_diff)
             say(f"step {step + 1:6d} | val loss {val_loss:.4f} ({eval_tokens:,} tokens)"
                 + (f" | replicas differ by {replica_diff:.1e}" if env.world_size > 1 else ""), flush=True)
+        worst = max(train_loss, val_loss if evaluated and val_loss is not None else -math.inf)
+        if diverged is None and (not math.isfinite(worst) or worst > args.diverge_factor * best_val):
+            diverged = {"step": step + 1, **diagnostics(model, args, train_loss, lr, float(grad_norm))}
+            say(f"step {step + 1}: diverged (loss {worst:.4g}, best val {best_val:.4g}); "
+                f"post-mortem checkpoint diverged_{step + 1:08d}.pt", file=sys.stderr, flush=True)
+            checkpoint(step + 1, prefix="diverged")
+            if args.on_diverge == "stop":
+                status = "diverged"
+                break
+        if evaluated and val_loss is not None and math.isfinite(val_loss):
+            best_val = min(best_val, val_loss)
+        if stop_now or (args.ckpt_every and (step + 1) % args.ckpt_every == 0):
+            checkpoint(step + 1)
+            saved_step = step + 1
+        if stop_now:
+            status = "interrupted"
+            say(f"stopped by {stop.signal or 'another rank'} after step {step + 1}; "
+                f"resume with --resume auto", file=sys.stderr, flush=True)
+            break
+    stop.uninstall()
     steps_done = step + 1
-    summary = {"status": "completed" if math.isfinite(train_loss) else "diverged",
-               "steps": steps_done, "tokens": steps_done * tokens_per_step,
+    if status == "completed" and saved_step != steps_done:
+        checkpoint(steps_done)  # the final weights, and a resumable end state
+    summary = {"status": status, "steps": steps_done, "tokens": steps_done * tokens_per_step,
                "final_val_loss": val_loss, "final_train_loss": train_loss,
                "max_manifold_violation": max_violations(model, args.assignment),
                "world_size": env.world_size, "replica_max_abs_diff": replica_max_abs_diff(model, env),
-               "wall_s": time.time() - start}
+               "diverged": diverged, "wall_s": time.time() - start}
     if log:
         write_json(os.path.join(args.out_dir, "summary.json"), summary)
         log.close()

@@ -1,0 +1,188 @@
+"""Checkpoints, exact resume, interruption, divergence and hostile input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from synthetic import TINY_MODEL, make_shards
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "train_gpt2.py")
+RUN = [*TINY_MODEL, "--max-steps", "30", "--eval-every", "10", "--eval-tokens", "512", "--warmup-steps", "3",
+       "--lr", "3e-3", "--muon-lr", "0.05", "--assign", "hetero", "--ckpt-every", "4"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_shards(str(tmp_path_factory.mktemp("data")))
+
+
+def command(nproc, *args):
+    if nproc == 1:
+        return [sys.executable, TRAIN, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN, *args]
+
+
+def run(data_dir, out_dir, *extra, nproc=1):
+    return subprocess.run(command(nproc, "--data-dir", data_dir, "--out-dir", str(out_dir), *RUN, *extra),
+                          capture_output=True, text=True, timeout=600, env=ENV)
+
+
+def rows(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(out_dir):
+    return [(r["step"], r["train_loss"]) for r in rows(out_dir) if "train_loss" in r]
+
+
+def start_then(data_dir, out_dir, until, nproc=1, *extra):
+    """Start a run in the background and return it once `until(out_dir)` holds."""
+    proc = subprocess.Popen(command(nproc, "--data-dir", data_dir, "--out-dir", str(out_dir), *RUN, *extra),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while not until(out_dir):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    return proc
+
+
+def has_rows(n):
+    def check(out_dir):
+        path = os.path.join(out_dir, "metrics.jsonl")
+        return os.path.exists(path) and sum(1 for line in open(path) if "train_loss" in line) >= n
+    return check
+
+
+def has_checkpoint(step):
+    return lambda out_dir: os.path.exists(os.path.join(out_dir, f"ckpt_{step:08d}.pt"))
+
+
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    result = run(data_dir, out)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_sigterm_then_resume_is_bitwise_identical(data_dir, straight, tmp_path):
+    proc = start_then(data_dir, tmp_path, has_rows(7))
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 4, err  # documented: interrupted, checkpoint written
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["status"] == "interrupted" and summary["steps"] < 30
+    assert os.path.exists(tmp_path / f"ckpt_{summary['steps']:08d}.pt")
+    result = run(data_dir, tmp_path, "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert train_losses(tmp_path) == train_losses(straight)  # each step once, same bits
+    assert json.load(open(tmp_path / "summary.json"))["final_val_loss"] == \
+        json.load(open(straight / "summary.json"))["final_val_loss"]
+
+
+def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(data_dir, straight, tmp_path):
+    proc = start_then(data_dir, tmp_path, has_checkpoint(8))
+    time.sleep(0.3)  # let it run past the checkpoint: those steps are lost and redone
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    result = run(data_dir, tmp_path, "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    losses = train_losses(tmp_path)
+    assert [s for s, _ in losses] == list(range(1, 31))
+    assert losses == train_losses(straight)
+
+
+def test_truncated_newest_checkpoint_is_skipped(data_dir, straight, tmp_path):
+    proc = start_then(data_dir, tmp_path, has_checkpoint(12))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    newest = tmp_path / "ckpt_00000012.pt"
+    os.truncate(newest, os.path.getsize(newest) // 2)
+    result = run(data_dir, tmp_path, "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert "skipping" in result.stdout and "ckpt_00000012.pt" in result.stdout
+    assert "resuming from" in result.stdout and "ckpt_00000008.pt" in result.stdout
+    assert train_losses(tmp_path) == train_losses(straight)
+
+
+def test_two_ranks_sigterm_resume_and_resume_on_one_rank(data_dir, tmp_path):
+    two = tmp_path / "two"
+    result = run(data_dir, two, "--batch-size", "4", nproc=2)
+    assert result.returncode == 0, result.stderr
+    cut = tmp_path / "cut"
+    proc = start_then(data_dir, cut, has_rows(6), 2, "--batch-size", "4")
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
+    proc.communicate(timeout=120)
+    summary = json.load(open(cut / "summary.json"))
+    assert summary["status"] == "interrupted"
+    # a copy of the interrupted run, resumed on one process with the same global batch
+    one = tmp_path / "one"
+    one.mkdir()
+    for name in os.listdir(cut):
+        (one / name).write_bytes((cut / name).read_bytes())
+    result = run(data_dir, cut, "--resume", "auto", "--batch-size", "4", nproc=2)
+    assert result.returncode == 0, result.stderr
+    assert train_losses(cut) == train_losses(two)
+    assert json.load(open(cut / "summary.json"))["replica_max_abs_diff"] == 0.0
+    result = run(data_dir, one, "--resume", "auto", "--batch-size", "4", "--grad-accum", "2")
+    assert result.returncode == 0, result.stderr
+    for (s1, a), (s2, b) in zip(train_losses(one), train_losses(two)):
+        assert s1 == s2 and abs(a - b) <= 1e-4 * abs(b)
+
+
+def test_divergence_is_recorded_with_its_own_exit_status(data_dir, tmp_path):
+    result = run(data_dir, tmp_path, "--lr", "30", "--muon-lr", "2", "--warmup-steps", "0", "--eval-every", "2")
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["status"] == "diverged"
+    step = summary["diverged"]["step"]
+    assert step < 30 and os.path.exists(tmp_path / f"diverged_{step:08d}.pt")
+    assert {"train_loss", "lr", "grad_norm", "param_max_abs", "max_manifold_violation"} <= set(summary["diverged"])
+    again = run(data_dir, tmp_path / "c", "--lr", "30", "--muon-lr", "2", "--warmup-steps", "0",
+                "--eval-every", "2", "--on-diverge", "continue")
+    assert again.returncode == 0
+    summary = json.load(open(tmp_path / "c" / "summary.json"))
+    assert summary["status"] == "completed" and summary["diverged"]["step"] == step
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--assign", "hetro"], "unknown --assign"),
+    (["--lr", "0"], "--lr must be positive"),
+    (["--muon-lr", "-0.1"], "--muon-lr must be positive"),
+    (["--n-embd", "30", "--n-head", "4"], "not divisible"),
+    (["--seq-len", "30000"], "fewer than one batch"),
+    (["--resume", "auto"], "no checkpoint"),
+    (["--resume", "/nonexistent/ckpt.pt"], "no such checkpoint"),
+    (["--out-dir", "/proc/forbidden"], "--out-dir /proc/forbidden"),  # root may write anywhere else
+    (["--out-dir", ROOT + "/README.md/run"], "is not a directory"),
+])
+def test_hostile_input_is_one_clean_error_line(data_dir, tmp_path, flags, message):
+    result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *RUN, *flags),
+                            capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_missing_data_dir_and_foreign_run_are_refused_without_touching_anything(data_dir, tmp_path, straight):
+    result = subprocess.run(command(1, "--data-dir", str(tmp_path / "nothing"), "--out-dir", str(tmp_path / "o"),
+                                    *RUN), capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    before = {p: os.path.getmtime(straight / p) for p in os.listdir(straight)}
+    result = run(data_dir, straight)  # another run into a folder that holds one
+    assert result.returncode == 2 and "holds another run" in result.stderr
+    assert {p: os.path.getmtime(straight / p) for p in os.listdir(straight)} == before
+    result = run(data_dir, tmp_path / "fresh", "--max-steps", "2")
+    assert result.returncode == 0
+    result = run(data_dir, tmp_path / "fresh", "--max-steps", "2", "--overwrite")
+    assert result.returncode == 0 and len(train_losses(tmp_path / "fresh")) == 2
