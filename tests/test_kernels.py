@@ -186,13 +186,16 @@ def test_fused_dual_update_agrees_and_freezes_zero_steps(manifold, shape):
     M = kernels.symmetric_part(A, G, backend="triton")
     fused = kernels.dual_update(Lambda, H, M, manifold, d2, step, backend="triton")
     # the unfused arithmetic of the dual step, written out
-    pair = d2.unsqueeze(-1) + d2.unsqueeze(-2)
+    pair = MANIFOLDS[manifold].pair_scale(W)  # (d_i^2 + d_j^2)
     H_M = H @ M
     sym = MANIFOLDS[manifold].gram_projector(0.5 * (H_M + H_M.mT))
     expected = Lambda - step[:, None, None] * sym / (2 * pair)
     assert max_error(fused, expected) < 1e-5 * float(expected.abs().max())
     assert torch.equal(fused[1], Lambda[1])
-    assert max_error(Lambda, -MANIFOLDS[manifold].gram_projector(W.mT @ G + G.mT @ W) / (2 * pair)) < 1e-5
+    # and its inputs: Lambda0 = -P(W^T G + G^T W) / (2 pair), M = sym(A^T G)
+    for got, want in ((Lambda, -MANIFOLDS[manifold].gram_projector(W.mT @ G + G.mT @ W) / (2 * pair)),
+                      (M, 0.5 * (A.mT @ G + G.mT @ A))):
+        assert max_error(got, want) < 1e-5 * float(want.abs().max())
 
 
 @pytest.mark.parametrize("manifold, shape, solver", [("stiefel", (40, 40), "dual"),
