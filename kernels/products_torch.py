@@ -14,14 +14,6 @@ C and base must be symmetric: the Triton twin reads them on the upper-triangle t
 import torch
 
 
-def scale_per_matrix(alpha, like):
-    """alpha as a factor for (..., r, c) tensors: a float stays one, a per-matrix tensor gets two
-    trailing unit dimensions."""
-    if isinstance(alpha, torch.Tensor):
-        return alpha.to(like.dtype)[..., None, None]
-    return alpha
-
-
 def off_diagonal(S):
     """Off(S): S with its diagonal zeroed."""
     return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))
@@ -41,6 +33,8 @@ def sym_product(X, alpha=1.0, C=None, beta=0.0):
 
 def matmul_add(B, X, C, alpha=1.0, beta=1.0):
     product = B @ X
+    if alpha == -1.0 and beta == 1.0:
+        return C - product
     if alpha != 1.0:
         product = alpha * product
     return (C if beta == 1.0 else beta * C) + product
@@ -57,5 +51,8 @@ def symmetric_gram(X, Y, zero_diagonal=False, d2=None, alpha=1.0, base=None, wan
     if want_sumsq:
         sumsq = T.to(torch.promote_types(T.dtype, torch.float32)).square().sum(dim=(-2, -1))
     out = T if d2 is None else T / pair_scale(d2)
-    out = scale_per_matrix(alpha, out) * out
+    if isinstance(alpha, torch.Tensor):  # one factor per matrix
+        out = alpha.to(out.dtype)[..., None, None] * out
+    elif alpha != 1.0:
+        out = alpha * out
     return (out if base is None else base + out), sumsq
