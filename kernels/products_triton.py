@@ -21,8 +21,8 @@ Design:
   ||.||_F^2 for the stopping test (one slot per tile, summed afterwards: deterministic, unlike
   atomics), and the dual update "base + ...". One pass over the output tiles, one store.
 - tl.dot accumulates in fp32. bf16/fp16 inputs feed the tensor cores directly. fp32 inputs use
-  3xTF32 (about 22-bit products, close to fp32) when torch's float32 matmul precision is
-  "highest" (torch's default) and plain TF32 when it is "high" or "medium", as torch would.
+  3xTF32 (about 22-bit products, close to fp32) under torch's default fp32 matmul precision,
+  and plain TF32 where torch was told to allow TF32 for its own fp32 matmuls.
 - Tiles: autotuned on the GPU among four 64/128-wide configurations (4-8 warps, 3-5
   pipeline stages) for problems of GPT-2 size, one 32-wide configuration for small problems.
   Under the Triton interpreter (TRITON_INTERPRET=1, tests on CPU) only the 32-wide
@@ -44,8 +44,15 @@ SMALL_PROBLEM = 256   # output dimensions below this use the SMALL configuration
 
 
 def fp32_precision():
-    """tl.dot input precision for fp32 tensors, following torch's float32 matmul precision."""
-    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    """tl.dot input precision for fp32 tensors: TF32 where torch lets its CUDA fp32 matmuls use
+    TF32, 3xTF32 (close to fp32) where it does not (torch's default)."""
+    # torch.backends.cuda.matmul.fp32_precision reflects both the new API and the legacy
+    # set_float32_matmul_precision ("none" = never set); the legacy getter raises once the
+    # new API was used.
+    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if setting is None:  # torch before 2.9
+        setting = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return "tf32" if setting == "tf32" else "tf32x3"
 
 
 @triton.jit

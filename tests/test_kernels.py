@@ -225,6 +225,21 @@ def test_autotuned_gpu_kernels_agree_with_torch(dtype, rel):
         assert max_error(fused, reference) <= rel / 5 * float(reference.abs().max())
 
 
+def test_fp32_dot_precision_follows_torch():
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("torch before 2.9 has only the legacy precision API")
+    saved = matmul.fp32_precision
+    try:
+        assert products_triton.fp32_precision() == ("tf32" if saved == "tf32" else "tf32x3")
+        matmul.fp32_precision = "tf32"  # what torch.set_float32_matmul_precision("high") sets
+        assert products_triton.fp32_precision() == "tf32"
+        matmul.fp32_precision = "ieee"
+        assert products_triton.fp32_precision() == "tf32x3"
+    finally:
+        matmul.fp32_precision = saved
+
+
 # --- dispatch: the Triton path really runs, once per bank, and never falls back -----------
 
 def test_triton_backend_launches_one_kernel_per_product_per_bank(monkeypatch):
