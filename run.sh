@@ -19,6 +19,7 @@ setup() {
 
 demo() {
     setup
+    rm -rf data/sample_shards  # tokenize afresh: prepare.py refuses a folder made from other input
     "$VENV/bin/python" data/prepare.py --files data/sample/alice.jsonl --out-dir data/sample_shards \
         --val-fraction 0.1
     "$VENV/bin/python" train_gpt2.py --assign hetero --data-dir data/sample_shards --out-dir runs/demo \

@@ -15,13 +15,17 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from data.progress import require_finished
 from data.shards import ShardError, open_tokens
 from errors import UserError, run_cli
 from kernels import BACKENDS as KERNEL_BACKENDS, check_backend
@@ -79,7 +83,7 @@ def parse_args(argv=None):
     t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
     t.add_argument("--dual-steps", type=int, default=8,
                    help="most multiplier updates of the dual-ascent solver (square Stiefel matrices)")
-    t.add_argument("--admm-steps", type=int, default=12,
+    t.add_argument("--admm-steps", type=int, default=8,
                    help="most iterations of the ADMM solver (all other constrained matrices)")
     t.add_argument("--solver", choices=("auto", "dual", "admm"), default="auto",
                    help="steepest-direction solver; auto picks by shape and manifold")
@@ -112,6 +116,56 @@ def validate_args(args):
     if args.vocab_size > 2**16:
         raise UserError(f"--vocab-size {args.vocab_size} exceeds what uint16 token shards can hold")
     args.assignment = parse_assignment(args.assign)
+
+
+# ----------------------------------------------------------------------------------------
+# Distributed setup: torchrun's environment; NCCL on CUDA, gloo on CPU
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+def init_distributed(args):
+    """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_*)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return DistEnv()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=20))
+    return DistEnv(rank, local_rank, world_size)
+
+
+def all_reduce_sum(values, env, device):
+    """Sum a list of floats over ranks (identity on one process)."""
+    if env.world_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+@torch.no_grad()
+def replica_max_abs_diff(model, env):
+    """max |theta_rank - theta_rank0| over all parameters and ranks (0 on one process)."""
+    if env.world_size == 1:
+        return 0.0
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    diff = (flat - reference).abs().max()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return float(diff)
 
 
 # ----------------------------------------------------------------------------------------
@@ -155,6 +209,7 @@ class TokenStream:
 def find_shards(data_dir, split):
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir} does not exist (write shards with data/prepare.py)")
+    require_finished(data_dir)
     paths = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.bin")))
     if not paths:
         raise UserError(f"no {split} shards (*{split}*.bin) in --data-dir {data_dir}")
@@ -340,23 +395,25 @@ def max_violations(model, assignment):
 
 
 @torch.no_grad()
-def evaluate(model, stream, args, device, autocast):
-    """Mean loss over the first --eval-tokens tokens of the val shards (windows in order)."""
+def evaluate(model, stream, args, device, autocast, env=DistEnv()):
+    """Mean loss over the first --eval-tokens tokens of the val shards (windows in order;
+    rank r of N takes windows r, r + N, ...; the sums are all-reduced)."""
     windows = min(args.eval_tokens, stream.total - 1) // args.seq_len
     if windows == 0:
         raise UserError(f"the val shards hold {stream.total} tokens: fewer than one sequence of "
                         f"{args.seq_len + 1} tokens")
+    mine = list(range(env.rank, windows, env.world_size))
     model.eval()
     total, count = 0.0, 0
-    for first in range(0, windows, args.batch_size):
-        rows = [stream.read(w * args.seq_len, args.seq_len + 1)
-                for w in range(first, min(first + args.batch_size, windows))]
+    for first in range(0, len(mine), args.batch_size):
+        rows = [stream.read(w * args.seq_len, args.seq_len + 1) for w in mine[first:first + args.batch_size]]
         batch = torch.from_numpy(np.stack(rows)).to(device)
         with autocast:
             loss = model(batch[:, :-1], batch[:, 1:])
         total += loss.item() * len(rows)
         count += len(rows)
     model.train()
+    total, count = all_reduce_sum([total, count], env, device)
     return total / count, windows * args.seq_len
 
 
@@ -396,11 +453,11 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
-def resolve_device(args):
+def resolve_device(args, env=DistEnv()):
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise UserError("--device cuda was asked for but no CUDA device is available")
-        device = torch.device("cuda")
+        device = torch.device("cuda", env.local_rank)
     else:
         device = torch.device("cpu")
     check_backend(args.kernels, device)
@@ -416,34 +473,65 @@ def resolve_device(args):
 # Training loop
 
 
+def communication_bytes_per_step(model, muon, env):
+    """Bytes each rank receives per optimizer step: the ring all-reduce of the gradients
+    (2 (N-1)/N of the gradient bytes) plus the all-gather of the Muon banks ((N-1)/N of
+    the padded bank bytes). fp32 throughout."""
+    n = env.world_size
+    if n == 1:
+        return 0
+    grads = 4 * sum(p.numel() for p in model.parameters())
+    banks = 4 * sum(muon.share(len(ps))[2] * n * ps[0].numel() for _, ps in muon.banks())
+    return int(2 * (n - 1) / n * grads + (n - 1) / n * banks)
+
+
 def main(argv=None):
     args = parse_args(argv)
     validate_args(args)
-    device, dtype, autocast = resolve_device(args)
+    env = init_distributed(args)
+    try:
+        return train(args, env)
+    finally:
+        if env.world_size > 1:
+            dist.destroy_process_group()
+
+
+def train(args, env):
+    device, dtype, autocast = resolve_device(args, env)
     train_stream = TokenStream(find_shards(args.data_dir, "train"), args.vocab_size)
     val_stream = TokenStream(find_shards(args.data_dir, "val"), args.vocab_size)
-    batches = TrainBatches(train_stream, args.seq_len, args.batch_size, args.grad_accum, args.seed)
-    try:
-        os.makedirs(args.out_dir, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"cannot create --out-dir {args.out_dir}: {err.strerror}") from None
+    batches = TrainBatches(train_stream, args.seq_len, args.batch_size, args.grad_accum, args.seed,
+                           env.rank, env.world_size)
+    if env.is_main:
+        try:
+            os.makedirs(args.out_dir, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"cannot create --out-dir {args.out_dir}: {err.strerror}") from None
+    say = print if env.is_main else (lambda *a, **k: None)
 
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same initialisation on every rank
     cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size)
     model = GPT(cfg).to(device)
     muon, adamw = build_optimizers(model, args, device)
     step_model = torch.compile(model) if args.compile else model
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
+    if env.world_size > 1:  # gradient all-reduce, bucketed and overlapped with the backward
+        step_model = DDP(step_model, device_ids=[env.local_rank] if device.type == "cuda" else None)
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * env.world_size
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"GPT-2 {args.n_layer}L {args.n_head}H {args.n_embd}D, {n_params / 1e6:.2f}M parameters, "
-          f"{device.type} {dtype}; assign {args.assign}: "
-          + ", ".join(f"{k}={v}" for k, v in args.assignment.items()))
-    print(f"data: {train_stream.total:,} train / {val_stream.total:,} val tokens; "
-          f"{tokens_per_step:,} tokens per step, {args.max_steps} steps")
-    write_json(os.path.join(args.out_dir, "config.json"),
-               {**{k: v for k, v in vars(args).items()}, "device_resolved": device.type,
-                "dtype_resolved": dtype, "n_params": n_params, "tokens_per_step": tokens_per_step})
-    log = RunLog(args.out_dir, args)
+    comm_bytes = communication_bytes_per_step(model, muon, env)
+    say(f"GPT-2 {args.n_layer}L {args.n_head}H {args.n_embd}D, {n_params / 1e6:.2f}M parameters, "
+        f"{device.type} {dtype}, {env.world_size} process(es); assign {args.assign}: "
+        + ", ".join(f"{k}={v}" for k, v in args.assignment.items()))
+    say(f"data: {train_stream.total:,} train / {val_stream.total:,} val tokens; "
+        f"{tokens_per_step:,} tokens per step, {args.max_steps} steps"
+        + (f"; {comm_bytes / 2**20:.1f} MiB received per rank per step" if comm_bytes else ""))
+    log = None
+    if env.is_main:
+        write_json(os.path.join(args.out_dir, "config.json"),
+                   {**vars(args), "device_resolved": device.type, "dtype_resolved": dtype,
+                    "world_size": env.world_size, "n_params": n_params,
+                    "tokens_per_step": tokens_per_step, "comm_bytes_per_step": comm_bytes})
+        log = RunLog(args.out_dir, args)
 
     val_loss, train_loss, start = None, None, time.time()
     for step in range(args.max_steps):
@@ -456,9 +544,12 @@ def main(argv=None):
         loss_sum = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
             x, y = (t.to(device, non_blocking=True) for t in batches.get(step, micro))
-            with autocast:
-                loss = step_model(x, y) / args.grad_accum
-            loss.backward()
+            last = micro == args.grad_accum - 1
+            # gradients are all-reduced once, on the last micro-step
+            with contextlib.nullcontext() if last or env.world_size == 1 else step_model.no_sync():
+                with autocast:
+                    loss = step_model(x, y) / args.grad_accum
+                loss.backward()
             loss_sum += loss.detach()
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -469,31 +560,40 @@ def main(argv=None):
         muon.step()
         adamw.zero_grad(set_to_none=True)
         muon.zero_grad(set_to_none=True)
-        train_loss = loss_sum.item()  # host sync: also closes the step's timing
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t1 = time.perf_counter()
+        train_loss = all_reduce_sum([loss_sum.item()], env, device)[0] / env.world_size
         if not math.isfinite(train_loss):
-            print(f"step {step + 1}: train loss is {train_loss}; stopping", file=sys.stderr)
+            say(f"step {step + 1}: train loss is {train_loss}; stopping", file=sys.stderr)
             break
         step_ms, opt_ms = 1000 * (t1 - t0), 1000 * (t1 - t_opt)
-        log.row(step=step + 1, train_loss=train_loss, lr=lr, tokens_per_s=tokens_per_step / (t1 - t0),
-                step_ms=step_ms, opt_ms=opt_ms)
+        if log:
+            log.row(step=step + 1, train_loss=train_loss, lr=lr, tokens_per_s=tokens_per_step / (t1 - t0),
+                    step_ms=step_ms, opt_ms=opt_ms)
         if (step + 1) % args.log_every == 0 or step == 0:
-            print(f"step {step + 1:6d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
-                  f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_step / (t1 - t0):,.0f} tok/s",
-                  flush=True)
+            say(f"step {step + 1:6d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
+                f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_step / (t1 - t0):,.0f} tok/s",
+                flush=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
-            val_loss, eval_tokens = evaluate(step_model, val_stream, args, device, autocast)
-            log.row(step=step + 1, val_loss=val_loss, eval_tokens=eval_tokens)
-            print(f"step {step + 1:6d} | val loss {val_loss:.4f} ({eval_tokens:,} tokens)", flush=True)
+            val_loss, eval_tokens = evaluate(model, val_stream, args, device, autocast, env)
+            replica_diff = replica_max_abs_diff(model, env)
+            if log:
+                log.row(step=step + 1, val_loss=val_loss, eval_tokens=eval_tokens,
+                        replica_max_abs_diff=replica_diff)
+            say(f"step {step + 1:6d} | val loss {val_loss:.4f} ({eval_tokens:,} tokens)"
+                + (f" | replicas differ by {replica_diff:.1e}" if env.world_size > 1 else ""), flush=True)
     steps_done = step + 1
     summary = {"status": "completed" if math.isfinite(train_loss) else "diverged",
                "steps": steps_done, "tokens": steps_done * tokens_per_step,
                "final_val_loss": val_loss, "final_train_loss": train_loss,
                "max_manifold_violation": max_violations(model, args.assignment),
+               "world_size": env.world_size, "replica_max_abs_diff": replica_max_abs_diff(model, env),
                "wall_s": time.time() - start}
-    write_json(os.path.join(args.out_dir, "summary.json"), summary)
-    log.close()
-    print(f"done: {json.dumps(summary)}")
+    if log:
+        write_json(os.path.join(args.out_dir, "summary.json"), summary)
+        log.close()
+        say(f"done: {json.dumps(summary)}")
     return summary
 
 

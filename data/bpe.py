@@ -11,6 +11,8 @@ import os
 
 import tiktoken
 
+from errors import UserError
+
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
@@ -27,11 +29,14 @@ def whisper_rank_file():
 
 def encoding_from_rank_file(path):
     """A tiktoken Encoding for GPT-2 built from a verified local rank file."""
-    with open(path, "rb") as f:
-        contents = f.read()
+    try:
+        with open(path, "rb") as f:
+            contents = f.read()
+    except OSError as err:
+        raise UserError(f"cannot read the BPE rank file {path}: {err.strerror}") from None
     digest = hashlib.sha256(contents).hexdigest()
     if digest != GPT2_RANKS_SHA256:
-        raise ValueError(f"{path}: sha256 {digest} is not the GPT-2 rank file ({GPT2_RANKS_SHA256})")
+        raise UserError(f"{path}: sha256 {digest} is not the GPT-2 rank file ({GPT2_RANKS_SHA256})")
     ranks = {}
     for line in contents.splitlines():
         if line:
@@ -51,7 +56,7 @@ def gpt2_encoding(bpe_file=None):
         download_error = err
     path = whisper_rank_file()
     if path is None:
-        raise RuntimeError("cannot load the GPT-2 BPE: tiktoken could not download it "
-                           f"({type(download_error).__name__}) and openai-whisper is not installed; "
-                           "pass --bpe-file PATH to a gpt2.tiktoken rank file")
+        raise UserError("cannot load the GPT-2 BPE: tiktoken could not download it "
+                        f"({type(download_error).__name__}) and openai-whisper is not installed; "
+                        "pass --bpe-file PATH to a gpt2.tiktoken rank file")
     return encoding_from_rank_file(path), f"offline rank file {path}"

@@ -24,15 +24,59 @@ def write_shard(path, tokens):
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise ValueError("token ids must fit in uint16")
+    shard = PartialShard(path)
+    shard.append(tokens.astype(TOKEN_DTYPE, copy=False))
+    shard.finish()
+
+
+def header_bytes(count):
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = (MAGIC, VERSION, tokens.size)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    header[:3] = (MAGIC, VERSION, count)
+    return header.tobytes()
+
+
+class PartialShard:
+    """A shard being filled under the temporary name `{path}.tmp`; `finish` makes it `path`.
+
+    Until then its header counts 0 tokens and no reader looks at it (readers glob `*.bin`), so a
+    file with a shard's final name is always complete. `keep_tokens` reopens an existing
+    temporary file and keeps its first `keep_tokens` tokens (what a progress checkpoint recorded).
+    """
+
+    def __init__(self, path, keep_tokens=0):
+        self.path, self.tmp_path, self.tokens = path, f"{path}.tmp", keep_tokens
+        if keep_tokens == 0:
+            self.file = open(self.tmp_path, "wb")
+            self.file.write(header_bytes(0))
+            return
+        size = HEADER_BYTES + keep_tokens * TOKEN_DTYPE.itemsize
+        if not os.path.exists(self.tmp_path) or os.path.getsize(self.tmp_path) < size:
+            raise ShardError(f"{self.tmp_path}: expected at least {keep_tokens} tokens to resume from")
+        self.file = open(self.tmp_path, "r+b")
+        self.file.truncate(size)  # drop what was written after the checkpoint
+        self.file.seek(size)
+
+    def append(self, tokens):
+        """Append tokens (a numpy array of ids < 2**16)."""
+        self.file.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
+        self.tokens += len(tokens)
+
+    def sync(self):
+        """Make the tokens appended so far durable (before a checkpoint records them)."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def finish(self):
+        """Write the token count into the header, fsync, and rename to the final name."""
+        self.file.seek(0)
+        self.file.write(header_bytes(self.tokens))
+        self.sync()
+        self.file.close()
+        os.replace(self.tmp_path, self.path)
+
+    def discard(self):
+        self.file.close()
+        os.remove(self.tmp_path)
 
 
 def read_header(path):

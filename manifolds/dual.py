@@ -38,11 +38,12 @@ from manifolds.geometry import MANIFOLDS
 class SolverOptions:
     solver: str = "auto"        # "dual", "admm" or "auto" (by shape, see choose_solver)
     dual_steps: int = 8         # at most this many multiplier updates of dual ascent
-    admm_steps: int = 12        # at most this many ADMM iterations
+    admm_steps: int = 8         # at most this many ADMM iterations
     tol: float = 1e-4           # dual: stop when rms(P(W^T A + A^T W)) / mean column norm <= tol;
                                 # admm: when the relative primal and dual residuals are <= tol
     dual_lr: float = 1.0        # dual step, relative to the preconditioned Newton-like scale
-    admm_rho: float = 1.0       # ADMM penalty, relative to the spectral norm of Proj_T(G)
+    admm_rho: float = 0.5       # ADMM penalty, relative to the spectral norm of Proj_T(G)
+    admm_relax: float = 1.5     # ADMM over-relaxation (1 = plain ADMM)
     msign_steps: int = 5        # Polar Express iterations per matrix sign
     polish_steps: int = 2       # Newton-Schulz polish iterations per matrix sign
     check_every: int = 2        # iterations between convergence checks (host syncs)
@@ -61,7 +62,7 @@ class SolverOptions:
 @dataclass
 class Solution:
     A: torch.Tensor             # tall orientation, tangent, ||A||_op ~= 1
-    state: torch.Tensor         # warm start for the next call (Lambda - Lambda0 for dual, rho*U for admm)
+    state: torch.Tensor         # warm start: Lambda - Lambda0 (dual) or stacked (Z, rho U) (admm)
     residual: torch.Tensor      # per-matrix relative tangent residual before the final projection
     iterations: int             # iterations run (the same for the whole batch)
 
@@ -173,19 +174,23 @@ def dual_ascent(W, G, geo, correction, opts):
     return Solution(finalize(W, A, geo, d2, opts), Lambda - Lambda0, residual, k)
 
 
-def admm(W, G, geo, multiplier, opts):
+def admm(W, G, geo, warm, opts):
     d2 = geo.squared_norms(W)
     GT = geo.tangent_projection(W, G, d2, opts.backend)
-    Z = kernels.msign(GT, opts.msign_steps, opts.polish_steps, opts.backend)
     # The penalty scale: rho ~ ||Proj_T G||_op balances G / rho against the unit ball for
-    # both flat and spiky spectra (real gradients have a few dominant singular values).
+    # both flat and spiky spectra (momentum gradients have a few dominant singular values).
     rho = (opts.admm_rho * spectral_norm(GT, opts.norm_iters)).clamp_min(1e-30)[..., None, None]
-    U = torch.zeros_like(G) if multiplier is None else multiplier / rho
+    if warm is None:
+        Z, U = kernels.msign(GT, opts.msign_steps, opts.polish_steps, opts.backend), torch.zeros_like(G)
+    else:  # the previous step's ball iterate and multiplier rho * U (G changes slowly)
+        Z, U = warm[..., 0, :, :], warm[..., 1, :, :] / rho
+    alpha = opts.admm_relax
     active = torch.ones(W.shape[:-2], dtype=torch.bool, device=W.device)
     for k in range(opts.admm_steps):
         B = geo.tangent_projection(W, Z - U + G / rho, d2, opts.backend)
-        Z_new = spectral_clip(B + U, opts)
-        U_new = U + B - Z_new
+        relaxed = alpha * B + (1 - alpha) * Z  # over-relaxation: same fixed point, fewer iterations
+        Z_new = spectral_clip(relaxed + U, opts)
+        U_new = U + relaxed - Z_new
         # primal residual ||B - Z|| and dual residual ||Z - Z_prev||, relative to ||B||
         change = torch.maximum(rms(B - Z_new), rms(Z_new - Z)) / rms(B).clamp_min(1e-30)
         Z = masked_update(active, Z, Z_new)
@@ -195,7 +200,8 @@ def admm(W, G, geo, multiplier, opts):
             break
     B = geo.tangent_projection(W, Z - U + G / rho, d2, opts.backend)
     _, sumsq = kernels.tangent_residual(W, Z, geo.name, opts.backend, with_norm=True)
-    return Solution(finalize(W, B, geo, d2, opts), rho * U, relative_residual(W, sumsq), k + 1)
+    residual = relative_residual(W, sumsq)
+    return Solution(finalize(W, B, geo, d2, opts), torch.stack([Z, rho * U], dim=-3), residual, k + 1)
 
 
 def solve_tall(W, G, manifold, state=None, opts=None):

@@ -241,4 +241,4 @@ def test_banks_group_same_shapes():
         p.grad = torch.randn_like(p)
     opt.step()
     assert set(opt.last_stats) == {"stiefel:32x8", "stiefel:8x32", "stiefel:16x16"}
-    assert not math.isnan(opt.last_stats["stiefel:32x8"]["residual"])
+    assert not math.isnan(opt.stats()["stiefel:32x8"]["residual"])
