@@ -224,7 +224,8 @@ _chosen = {}  # (name, key) -> the configuration the autotuner picked
 
 
 def _launch(name, grid, args, size, key, **constexprs):
-    """Launch kernel `name` once, for an output of `size` (rows, cols).
+    """Launch kernel `name` once, for an output of `size` (rows, cols), on the device of its
+    first operand args[0] (Triton launches on the current CUDA device).
 
     Small problems and the interpreter use the SMALL configuration. Otherwise the first launch
     for a key goes through the autotuner (which benchmarks its configurations on the GPU);
@@ -232,6 +233,10 @@ def _launch(name, grid, args, size, key, **constexprs):
     autotuner's per-call Python work: it matters for 768 x 768 banks, whose kernels take tens
     of microseconds.
     """
+    device = args[0].device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return _launch(name, grid, args, size, key, **constexprs)
     LAUNCHES[name] += 1
     if INTERPRETED or max(size) < SMALL_PROBLEM:
         config = SMALL_CONFIGS[name]
