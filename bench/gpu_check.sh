@@ -31,7 +31,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, tee the log, re
     git rev-parse HEAD 2>/dev/null || true
 } 2>&1 | tee "$OUT/env.txt"
 
-step pytest 100 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 tests/test_kernels.py
-step bench_bf16 90 "$PYTHON" bench/kernels.py --dtypes bf16 --out "$OUT/bench_bf16.json"
-step bench_fp32 45 "$PYTHON" bench/kernels.py --dtypes fp32 --out "$OUT/bench_fp32.json"
+step pytest 120 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 tests/test_kernels.py
+step bench_bf16 75 "$PYTHON" bench/kernels.py --dtypes bf16 --out "$OUT/bench_bf16.json"
+step bench_fp32 40 "$PYTHON" bench/kernels.py --dtypes fp32 --out "$OUT/bench_fp32.json"
 echo "total $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
