@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from data.progress import require_finished
 from data.shards import ShardError, open_tokens
 from errors import UserError, run_cli
+from kernels import BACKENDS as KERNEL_BACKENDS, check_backend
 from training.checkpoints import checkpoint_path, load_checkpoint, load_newest, save_atomic, save_checkpoint
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
@@ -88,6 +89,8 @@ def parse_args(argv=None):
                    help="most iterations of the ADMM solver (all other constrained matrices)")
     t.add_argument("--solver", choices=("auto", "dual", "admm"), default="auto",
                    help="steepest-direction solver; auto picks by shape and manifold")
+    t.add_argument("--kernels", choices=KERNEL_BACKENDS, default="auto",
+                   help="optimizer kernels: fused triton, plain torch, or auto (triton on cuda)")
     e = p.add_argument_group("evaluation and logging")
     e.add_argument("--eval-every", type=int, default=250, help="evaluate every N steps (and at the end)")
     e.add_argument("--eval-tokens", type=int, default=10_485_760,
@@ -376,7 +379,7 @@ def build_optimizers(model, args, device):
                                 "name": f"{key}={manifold}"})
     muon = ManifoldMuon(muon_groups, lr=args.muon_lr, momentum=args.momentum, nesterov=True,
                         weight_decay=args.weight_decay, solver=args.solver,
-                        dual_steps=args.dual_steps, admm_steps=args.admm_steps)
+                        dual_steps=args.dual_steps, admm_steps=args.admm_steps, backend=args.kernels)
     rest = [p for p in model.parameters() if id(p) not in muon_ids]
     adamw_groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
                     {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
@@ -488,6 +491,7 @@ def resolve_device(args, env=DistEnv()):
         device = torch.device("cuda", env.local_rank)
     else:
         device = torch.device("cpu")
+    check_backend(args.kernels, device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     if dtype == "bfloat16":
         autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16)

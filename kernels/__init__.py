@@ -1,5 +1,107 @@
-"""Matrix-sign kernels. Torch implementation for now; a Triton path slots in behind `msign`."""
-from kernels.msign_torch import msign_torch, orthonormalize_near
+"""Kernels of the optimizer's hot loop: the matrix sign and the Gram-space tangent operations.
 
-def msign(X, steps=5, polish_steps=0):
-    return msign_torch(X, steps=steps, polish_steps=polish_steps)
+Every function takes `backend` and this dispatch alone decides which products run:
+
+    "torch"   plain torch ops (products_torch.py): any device, any float dtype; the reference
+    "triton"  fused Triton kernels (products_triton.py): CUDA tensors of fp32/bf16/fp16, or any
+              such tensors under the Triton interpreter (TRITON_INTERPRET=1 set before the
+              kernels are first used; the tests do that on CPU). Without either it raises
+              BackendError: never a silent fallback to torch.
+    "auto"    "triton" for CUDA tensors of a dtype the kernels take, "torch" otherwise
+
+The algorithms (matrix_sign.py, tangent.py) are written once over those products.
+"""
+import torch
+
+from errors import UserError
+from kernels import matrix_sign, products_torch, tangent
+
+BACKENDS = ("auto", "triton", "torch")
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class BackendError(UserError):
+    """The requested kernel backend cannot run these tensors."""
+
+
+def _triton_products():
+    """The Triton products module, or the reason it cannot be imported."""
+    try:
+        from kernels import products_triton
+    except ImportError as err:
+        return None, f"Triton cannot be imported ({err})"
+    return products_triton, None
+
+
+def check_backend(backend, device):
+    """Raise BackendError unless `backend` can run tensors on `device` (torch.device or str)."""
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown kernel backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend != "triton":
+        return
+    module, reason = _triton_products()
+    if module is None:
+        raise BackendError(f"kernel backend 'triton' is unavailable: {reason}")
+    if torch.device(device).type != "cuda" and not module.INTERPRETED:
+        raise BackendError(
+            f"kernel backend 'triton' needs CUDA tensors, got {torch.device(device).type} ones "
+            "(on a CPU, TRITON_INTERPRET=1 runs the kernels in the Triton interpreter); "
+            "use backend 'auto' or 'torch' instead")
+
+
+def products_for(backend, *tensors):
+    """The products module (`products_torch` or `products_triton`) that runs `tensors`."""
+    device = tensors[0].device
+    check_backend(backend, device)
+    if backend == "torch":
+        return products_torch
+    dtype = tensors[0].dtype
+    if backend == "auto":
+        if device.type != "cuda" or dtype not in TRITON_DTYPES:
+            return products_torch
+        module, _ = _triton_products()
+        return module or products_torch
+    if dtype not in TRITON_DTYPES:
+        raise BackendError(f"kernel backend 'triton' takes {', '.join(map(str, TRITON_DTYPES))}, got {dtype}")
+    return _triton_products()[0]
+
+
+def msign(X, steps=5, polish_steps=0, backend="auto"):
+    """Polar factor U V^T of X (..., m, n), either orientation: `steps` Polar Express
+    iterations, then `polish_steps` Newton-Schulz ones (see matrix_sign.py)."""
+    return matrix_sign.msign(X, steps, polish_steps, products_for(backend, X))
+
+
+def orthonormalize_near(X, steps=3, backend="auto"):
+    """Polar factor of an X already close to orthonormal, by `steps` Newton-Schulz iterations."""
+    return matrix_sign.orthonormalize_near(X, steps, products_for(backend, X))
+
+
+def tangent_residual(W, A, manifold, backend="auto", with_norm=False):
+    """H = P(W^T A + A^T W) for tall W, A (..., p, q); with_norm: (H, ||H||_F^2 per matrix)."""
+    return tangent.tangent_residual(W, A, manifold, products_for(backend, W, A), with_norm)
+
+
+def preconditioned(W, A, manifold, d2, alpha=1.0, backend="auto"):
+    """alpha P(W^T A + A^T W) / (d_i^2 + d_j^2), d2 (..., q) the squared column norms."""
+    return tangent.preconditioned(W, A, manifold, d2, alpha, products_for(backend, W, A))
+
+
+def tangent_projection(W, A, manifold, d2, backend="auto"):
+    """A - W P(W^T A + A^T W) / (d_i^2 + d_j^2): the projection onto the tangent space at W."""
+    return tangent.tangent_projection(W, A, manifold, d2, products_for(backend, W, A))
+
+
+def dual_update(Lambda, H, M, manifold, d2, step, backend="auto"):
+    """Lambda - step P(sym(H M)) / (2 (d_i^2 + d_j^2)), the preconditioned dual step."""
+    return tangent.dual_update(Lambda, H, M, manifold, d2, step, products_for(backend, Lambda, H, M))
+
+
+def symmetric_part(A, X, backend="auto"):
+    """(A^T X + X^T A) / 2."""
+    return tangent.symmetric_part(A, X, products_for(backend, A, X))
+
+
+def matmul_add(B, X, C, alpha=1.0, beta=1.0, backend="auto"):
+    """beta C + alpha B X."""
+    return products_for(backend, B, X, C).matmul_add(B, X, C, alpha, beta)

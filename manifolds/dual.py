@@ -22,12 +22,15 @@ normalised first (msign ignores scale, the dual problem does not).
 
 Convergence is tested on a per-matrix mask every `check_every` iterations: one host sync
 per check, not per iteration, and finished matrices stop changing.
+
+Every matrix sign and Gram-space product runs through `kernels` with `opts.backend` (fused
+Triton kernels on CUDA under "auto"); the squared column norms d2 are computed once per solve.
 """
 from dataclasses import dataclass, fields
 
 import torch
 
-from kernels import msign, orthonormalize_near
+import kernels
 from manifolds.geometry import MANIFOLDS
 
 
@@ -45,6 +48,7 @@ class SolverOptions:
     polish_steps: int = 2       # Newton-Schulz polish iterations per matrix sign
     check_every: int = 2        # iterations between convergence checks (host syncs)
     norm_iters: int = 8         # power iterations for the final spectral renormalisation
+    backend: str = "auto"       # kernels: "triton" (fused kernels), "torch", or "auto" (triton on CUDA)
 
     @classmethod
     def from_kwargs(cls, **kwargs):
@@ -79,17 +83,14 @@ def choose_solver(shape, manifold_name):
     return "admm"
 
 
-def symmetric(M):
-    return 0.5 * (M + M.mT)
-
-
 def rms(M):
     return M.square().mean(dim=(-2, -1)).sqrt()
 
 
-def relative_residual(W, H):
-    """rms(H) / mean column norm of W: the scale-free tangent residual."""
-    return rms(H) / W.norm(dim=-2).mean(dim=-1).clamp_min(1e-30)
+def relative_residual(W, sumsq):
+    """rms(H) / mean column norm of W, from sumsq = ||H||_F^2: the scale-free tangent residual."""
+    rms_H = (sumsq.to(W.dtype) / W.size(-1) ** 2).sqrt()
+    return rms_H / W.norm(dim=-2).mean(dim=-1).clamp_min(1e-30)
 
 
 def spectral_norm(A, iters):
@@ -119,11 +120,12 @@ def spectral_clip(Y, opts):
     With O = msign(Y) and P = O^T Y = V S V^T (q x q, PSD), min(P, I) = (P + I - |P - I|) / 2
     and |P - I| = sign(P - I)(P - I), the sign of a symmetric matrix being its polar factor.
     """
-    O = msign(Y, opts.msign_steps, opts.polish_steps)
-    P = symmetric(O.mT @ Y)
+    O = kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
+    P = kernels.symmetric_part(O, Y, opts.backend)  # sym(O^T Y)
     eye = torch.eye(P.size(-1), dtype=P.dtype, device=P.device)
     E = P - eye
-    absE = symmetric(msign(E, opts.msign_steps, opts.polish_steps) @ E)
+    sign_E = kernels.msign(E, opts.msign_steps, opts.polish_steps, opts.backend)
+    absE = kernels.symmetric_part(sign_E.mT, E, opts.backend)  # sym(sign(E) E)
     return O @ (0.5 * (P + eye - absE))
 
 
@@ -131,28 +133,30 @@ def masked_update(active, old, new):
     return torch.where(active.reshape(active.shape + (1, 1)), new, old)
 
 
-def finalize(W, A, geo, opts):
+def finalize(W, A, geo, d2, opts):
     """Exact tangent projection, then scale so that ||A||_op = 1."""
-    A = geo.tangent_projection(W, A)
+    A = geo.tangent_projection(W, A, d2, opts.backend)
     return A / spectral_norm(A, opts.norm_iters).clamp_min(1e-30)[..., None, None]
 
 
 def dual_ascent(W, G, geo, correction, opts):
-    pair = geo.pair_scale(W)  # (d_i^2 + d_j^2)
-    # Lambda0 makes G + 2 W Lambda0 the Euclidean tangent projection of G (exact for square
-    # Stiefel). The warm start is the correction Lambda* - Lambda0 of the previous step:
-    # it changes slowly with the momentum, where Lambda0 itself follows G.
-    Lambda0 = -geo.tangent_residual(W, G) / (2 * pair)
+    d2 = geo.squared_norms(W)  # d_i^2: the metric (d_i^2 + d_j^2) preconditions every step
+    # Lambda0 = -P(W^T G + G^T W) / (2 (d_i^2 + d_j^2)) makes G + 2 W Lambda0 the Euclidean
+    # tangent projection of G (exact for square Stiefel). The warm start is the correction
+    # Lambda* - Lambda0 of the previous step: it changes slowly with the momentum, where
+    # Lambda0 itself follows G.
+    Lambda0 = kernels.preconditioned(W, G, geo.name, d2, -0.5, opts.backend)
     Lambda = Lambda0 if correction is None else Lambda0 + correction
     batch = W.shape[:-2]
     active = torch.ones(batch, dtype=torch.bool, device=W.device)
     step_size = torch.full(batch, opts.dual_lr, dtype=W.dtype, device=W.device)
     previous = torch.full(batch, float("inf"), dtype=W.dtype, device=W.device)
     for k in range(opts.dual_steps + 1):
-        X = G + 2 * W @ Lambda
-        A = msign(X, opts.msign_steps, opts.polish_steps)
-        H = geo.tangent_residual(W, A)  # dual gradient
-        residual = relative_residual(W, H)
+        X = kernels.matmul_add(W, Lambda, G, alpha=2.0, backend=opts.backend)  # G + 2 W Lambda
+        A = kernels.msign(X, opts.msign_steps, opts.polish_steps, opts.backend)
+        # dual gradient H = P(W^T A + A^T W) and ||H||_F^2, in one pass
+        H, sumsq = kernels.tangent_residual(W, A, geo.name, opts.backend, with_norm=True)
+        residual = relative_residual(W, sumsq)
         active = active & (residual > opts.tol)
         if k == opts.dual_steps or (k % opts.check_every == 0 and not bool(active.any())):
             break
@@ -160,28 +164,30 @@ def dual_ascent(W, G, geo, correction, opts):
         # make the Newton-like step overshoot, and this needs no host sync.
         step_size = torch.where(residual > previous, 0.5 * step_size, step_size)
         previous = residual
-        M = symmetric(A.mT @ X)  # (X^T X)^(1/2): larger singular values tolerate larger steps
-        step = geo.gram_projector(symmetric(H @ M)) / (2 * pair)
-        Lambda = masked_update(active, Lambda, Lambda - step_size[..., None, None] * step)
+        # M = sym(A^T X) = (X^T X)^(1/2): larger singular values tolerate larger steps
+        M = kernels.symmetric_part(A, X, opts.backend)
+        # Lambda <- Lambda - step P(sym(H M)) / (2 (d_i^2 + d_j^2)); a zero step freezes finished matrices
+        Lambda = kernels.dual_update(Lambda, H, M, geo.name, d2, step_size * active, opts.backend)
     # The loop's A only needs to be accurate enough to steer Lambda; the answer gets a
     # tighter polish (Newton-Schulz from singular values already near 1 converges in two).
-    A = orthonormalize_near(A, steps=2)
-    return Solution(finalize(W, A, geo, opts), Lambda - Lambda0, residual, k)
+    A = kernels.orthonormalize_near(A, steps=2, backend=opts.backend)
+    return Solution(finalize(W, A, geo, d2, opts), Lambda - Lambda0, residual, k)
 
 
 def admm(W, G, geo, warm, opts):
-    GT = geo.tangent_projection(W, G)
+    d2 = geo.squared_norms(W)
+    GT = geo.tangent_projection(W, G, d2, opts.backend)
     # The penalty scale: rho ~ ||Proj_T G||_op balances G / rho against the unit ball for
     # both flat and spiky spectra (momentum gradients have a few dominant singular values).
     rho = (opts.admm_rho * spectral_norm(GT, opts.norm_iters)).clamp_min(1e-30)[..., None, None]
     if warm is None:
-        Z, U = msign(GT, opts.msign_steps, opts.polish_steps), torch.zeros_like(G)
+        Z, U = kernels.msign(GT, opts.msign_steps, opts.polish_steps, opts.backend), torch.zeros_like(G)
     else:  # the previous step's ball iterate and multiplier rho * U (G changes slowly)
         Z, U = warm[..., 0, :, :], warm[..., 1, :, :] / rho
     alpha = opts.admm_relax
     active = torch.ones(W.shape[:-2], dtype=torch.bool, device=W.device)
     for k in range(opts.admm_steps):
-        B = geo.tangent_projection(W, Z - U + G / rho)
+        B = geo.tangent_projection(W, Z - U + G / rho, d2, opts.backend)
         relaxed = alpha * B + (1 - alpha) * Z  # over-relaxation: same fixed point, fewer iterations
         Z_new = spectral_clip(relaxed + U, opts)
         U_new = U + relaxed - Z_new
@@ -192,9 +198,10 @@ def admm(W, G, geo, warm, opts):
         active = active & (change > opts.tol)
         if (k + 1) % opts.check_every == 0 and not bool(active.any()):
             break
-    B = geo.tangent_projection(W, Z - U + G / rho)
-    residual = relative_residual(W, geo.tangent_residual(W, Z))
-    return Solution(finalize(W, B, geo, opts), torch.stack([Z, rho * U], dim=-3), residual, k + 1)
+    B = geo.tangent_projection(W, Z - U + G / rho, d2, opts.backend)
+    _, sumsq = kernels.tangent_residual(W, Z, geo.name, opts.backend, with_norm=True)
+    residual = relative_residual(W, sumsq)
+    return Solution(finalize(W, B, geo, d2, opts), torch.stack([Z, rho * U], dim=-3), residual, k + 1)
 
 
 def solve_tall(W, G, manifold, state=None, opts=None):
@@ -203,7 +210,7 @@ def solve_tall(W, G, manifold, state=None, opts=None):
     geo = MANIFOLDS[manifold]
     G = G / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
     if manifold == "none":
-        A = msign(G, opts.msign_steps, opts.polish_steps)
+        A = kernels.msign(G, opts.msign_steps, opts.polish_steps, opts.backend)
         zero = torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device)
         return Solution(A, None, zero, 0)
     solver = choose_solver(W.shape, manifold) if opts.solver == "auto" else opts.solver

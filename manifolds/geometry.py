@@ -15,7 +15,8 @@ starting multiplier of the dual problem and its per-entry preconditioner.
 """
 import torch
 
-from kernels import orthonormalize_near
+import kernels
+from kernels.products_torch import off_diagonal, pair_scale
 
 
 def polar_svd(X):
@@ -27,14 +28,13 @@ def polar_svd(X):
     return (U @ Vh).to(X.dtype)
 
 
-def gram_symmetric(W, A):
-    """W^T A + A^T W for tall W, A (..., p, q)."""
-    WtA = W.mT @ A
-    return WtA + WtA.mT
-
-
 class Manifold:
-    """Interface shared by every manifold; `none` is the degenerate case."""
+    """Interface shared by every manifold; `none` is the degenerate case.
+
+    The tangent operations run through `kernels` (fused Triton kernels on CUDA, torch
+    elsewhere, as `backend` says); d2 are the squared column norms d_i^2 (..., q), which a
+    solver computes once per bank and passes along.
+    """
 
     name = "abstract"
 
@@ -42,23 +42,27 @@ class Manifold:
         """P(S) for symmetric S (..., q, q)."""
         raise NotImplementedError
 
+    def squared_norms(self, W):
+        """d_i^2 as a (..., q) tensor (Stiefel: d = 1)."""
+        return torch.ones(W.shape[:-2] + W.shape[-1:], dtype=W.dtype, device=W.device)
+
     def pair_scale(self, W):
         """(d_i^2 + d_j^2) as a (..., q, q) tensor: the Gram-space metric at W."""
-        raise NotImplementedError
+        return pair_scale(self.squared_norms(W))
 
-    def tangent_residual(self, W, A):
+    def tangent_residual(self, W, A, backend="auto"):
         """H = P(W^T A + A^T W): zero exactly when A is tangent at W."""
-        return self.gram_projector(gram_symmetric(W, A))
+        return kernels.tangent_residual(W, A, self.name, backend)
 
-    def tangent_projection(self, W, A):
+    def tangent_projection(self, W, A, d2=None, backend="auto"):
         """Euclidean projection of A onto the tangent space at W (W on the manifold).
 
         A_T = A - W M with M_ij = H_ij / (d_i^2 + d_j^2), which makes P(W^T A_T + A_T^T W) = 0.
         """
-        H = self.tangent_residual(W, A)
-        return A - W @ (H / self.pair_scale(W))
+        d2 = self.squared_norms(W) if d2 is None else d2
+        return kernels.tangent_projection(W, A, self.name, d2, backend)
 
-    def retract(self, X, near=True):
+    def retract(self, X, near=True, backend="auto"):
         """Map X back onto the manifold; near=True assumes X is already close to it."""
         raise NotImplementedError
 
@@ -73,13 +77,9 @@ class Stiefel(Manifold):
     def gram_projector(self, S):
         return S
 
-    def pair_scale(self, W):
-        q = W.size(-1)
-        return torch.full((q, q), 2.0, dtype=W.dtype, device=W.device)
-
-    def retract(self, X, near=True):
+    def retract(self, X, near=True, backend="auto"):
         # R(X) = msign(X): the closest matrix with orthonormal columns.
-        return orthonormalize_near(X) if near else polar_svd(X)
+        return kernels.orthonormalize_near(X, backend=backend) if near else polar_svd(X)
 
     def violation(self, W):
         # max |W^T W - I|
@@ -92,18 +92,17 @@ class DGram(Manifold):
     name = "dgram"
 
     def gram_projector(self, S):
-        return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1))
+        return off_diagonal(S)
 
-    def pair_scale(self, W):
-        d2 = W.square().sum(dim=-2)
-        return d2.unsqueeze(-1) + d2.unsqueeze(-2)
+    def squared_norms(self, W):
+        return W.square().sum(dim=-2)
 
-    def retract(self, X, near=True):
+    def retract(self, X, near=True, backend="auto"):
         # R(X) = msign(X N^-1) N, N = diag(column norms of X). On the manifold X = Q D, so
         # X N^-1 = Q and R(X) = X: a true retraction that keeps each column's norm.
         norms = X.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny ** 0.5)
         unit = X / norms
-        Q = orthonormalize_near(unit) if near else polar_svd(unit)
+        Q = kernels.orthonormalize_near(unit, backend=backend) if near else polar_svd(unit)
         return Q * norms
 
     def violation(self, W):
@@ -120,11 +119,7 @@ class Unconstrained(Manifold):
     def gram_projector(self, S):
         return torch.zeros_like(S)
 
-    def pair_scale(self, W):
-        q = W.size(-1)
-        return torch.ones((q, q), dtype=W.dtype, device=W.device)
-
-    def retract(self, X, near=True):
+    def retract(self, X, near=True, backend="auto"):
         return X
 
     def violation(self, W):

@@ -127,7 +127,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         if manifold == "none":
             new_W = W * (1 - eta * group["weight_decay"]) - eta * solution.A
         else:
-            new_W = MANIFOLDS[manifold].retract(W - eta * solution.A, near=True)
+            new_W = MANIFOLDS[manifold].retract(W - eta * solution.A, near=True, backend=opts.backend)
             for p, s in zip(params, solution.state):
                 self.state[p]["dual"] = s
         # tensors, not floats: reading them would sync the device every bank

@@ -1,14 +1,44 @@
-"""Matrix sign (polar factor) iterations against exact SVD."""
+"""The kernels: matrix sign against exact SVD, and the Triton backend against its torch twin.
+
+On a CPU the Triton kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET=1);
+on a GPU machine they are compiled and run on CUDA tensors. Shapes are chosen so that no
+dimension is a multiple of the 32-wide tiles small problems use, and most span several tiles.
+"""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from kernels import msign, orthonormalize_near
+import kernels
+from kernels import BackendError, msign, orthonormalize_near, products_torch, products_triton
+from manifolds.geometry import MANIFOLDS
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def polar(X):
     U, _, Vh = torch.linalg.svd(X.double(), full_matrices=False)
     return U @ Vh
 
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(device=DEVICE, dtype=dtype)
+
+
+def symmetric(*shape, seed=0):
+    S = randn(*shape, seed=seed)
+    return S + S.mT
+
+
+def max_error(a, b):
+    return float((a.double() - b.double()).abs().max())
+
+
+# --- the iterations (torch backend) against exact SVD -------------------------------------
 
 @pytest.mark.parametrize("shape", [(32, 96), (96, 32), (4, 20, 50)])
 def test_msign_matches_polar_factor_after_polish(shape):
@@ -52,3 +82,204 @@ def test_orthonormalize_near_stays_stable_far_from_the_manifold():
     out = orthonormalize_near(X, steps=12).double()
     assert torch.isfinite(out).all()
     assert (out.T @ out - torch.eye(10, dtype=torch.float64)).abs().max() < 1e-3
+
+
+# --- Triton matrix sign against the torch twin --------------------------------------------
+
+MSIGN_SHAPES = [(3, 40, 72), (2, 72, 40), (50, 50)]  # wide batch, tall batch, one square matrix
+
+
+@pytest.mark.parametrize("shape", MSIGN_SHAPES)
+def test_triton_msign_agrees_with_torch_in_fp32(shape):
+    X = randn(*shape)
+    fused = msign(X, steps=5, polish_steps=2, backend="triton")
+    assert fused.shape == X.shape and fused.dtype == X.dtype
+    assert max_error(fused, msign(X, steps=5, polish_steps=2, backend="torch")) < 1e-4
+    if shape[-1] != shape[-2]:  # and the polar factor (random square matrices are ill-conditioned)
+        assert max_error(fused, polar(X)) < 1e-3
+
+
+@pytest.mark.parametrize("shape", MSIGN_SHAPES)
+def test_triton_msign_in_bf16_is_as_accurate_as_torch(shape):
+    # bf16 results differ by rounding, so both are measured against the float64 run of the
+    # same iteration from the same bf16 input: the fused kernels (fp32 epilogues, one rounding
+    # per product) must be about as close to it as the torch twin is.
+    X = randn(*shape, dtype=torch.bfloat16)
+    exact = msign(X.double(), steps=5, backend="torch")
+    fused = msign(X, steps=5, backend="triton")
+    assert fused.dtype == torch.bfloat16
+    error_fused = max_error(fused, exact)
+    error_torch = max_error(msign(X, steps=5, backend="torch"), exact)
+    assert error_fused < 0.06 and error_fused < 2 * error_torch
+
+
+def test_triton_orthonormalize_near_agrees_with_torch():
+    Q = polar(randn(2, 72, 40)).float()
+    X = Q + 1e-2 * randn(2, 72, 40, seed=1)
+    fused = orthonormalize_near(X, steps=3, backend="triton")
+    assert max_error(fused, orthonormalize_near(X, steps=3, backend="torch")) < 1e-5
+    gram = fused.mT @ fused
+    assert max_error(gram, torch.eye(40, device=DEVICE).expand_as(gram)) < 1e-4
+
+
+# --- the products: structure and agreement ------------------------------------------------
+
+def test_sym_product_computes_upper_tiles_and_mirrors_them():
+    # 70 rows = three tile rows of 32. Garbage in the lower tile (2, 0) of C, which a kernel
+    # that computes only upper tiles and mirrors them never reads, must not reach the output.
+    X, C = randn(2, 70, 45), symmetric(2, 70, 70, seed=1)
+    garbage = C.clone()
+    garbage[:, 64:, :32] = float("nan")
+    out = products_triton.sym_product(X, alpha=0.5, C=garbage, beta=2.0)
+    assert torch.equal(out, out.mT)  # exactly symmetric
+    assert max_error(out, products_torch.sym_product(X, alpha=0.5, C=C, beta=2.0)) < 1e-4
+
+
+# bf16: one unit in the last place (the interpreter truncates to bf16, the GPU rounds to nearest)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)])
+def test_matmul_add_agrees_on_transposed_views(dtype, tol):
+    B, X, C = randn(3, 45, 70, dtype=dtype), randn(3, 50, 70, dtype=dtype), randn(3, 50, 45, dtype=dtype)
+    fused = products_triton.matmul_add(B, X.mT, C.mT, alpha=-0.5, beta=1.5)  # strided operands
+    expected = products_torch.matmul_add(B.float(), X.mT.float(), C.mT.float(), alpha=-0.5, beta=1.5)
+    assert fused.dtype == dtype
+    assert max_error(fused, expected) < tol * float(expected.abs().max())  # relative to the largest entry
+
+
+TANGENT_CASES = [("stiefel", (3, 70, 40)), ("dgram", (3, 70, 40)), ("dgram", (45, 33))]
+
+
+def on_manifold(shape, manifold, dtype):
+    W = MANIFOLDS[manifold].retract(randn(*shape).double() * torch.linspace(0.5, 2.0, shape[-1]).to(DEVICE),
+                                    near=False)
+    return W.to(dtype)
+
+
+@pytest.mark.parametrize("manifold, shape", TANGENT_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_tangent_ops_agree_with_torch(manifold, shape, dtype):
+    geo = MANIFOLDS[manifold]
+    W, A = on_manifold(shape, manifold, dtype), randn(*shape, dtype=dtype, seed=1)
+    rel = 1e-5 if dtype == torch.float32 else 2e-2  # relative to the largest entry
+    # H = P(W^T A + A^T W) with P as geometry defines it, and ||H||^2, in float64
+    W64, A64 = W.double(), A.double()
+    H64 = geo.gram_projector(W64.mT @ A64 + A64.mT @ W64)
+    H, sumsq = kernels.tangent_residual(W, A, manifold, backend="triton", with_norm=True)
+    assert H.dtype == dtype and torch.equal(H, H.mT)
+    assert max_error(H, H64) <= rel * float(H64.abs().max())
+    sumsq_rtol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(sumsq.double(), H64.square().sum(dim=(-2, -1)), rtol=sumsq_rtol)
+    # A - W H / (d_i^2 + d_j^2), from the same d2 for both backends
+    d2 = geo.squared_norms(W.float())
+    projected = kernels.tangent_projection(W, A, manifold, d2, backend="triton")
+    expected = kernels.tangent_projection(W.float(), A.float(), manifold, d2, backend="torch")
+    assert max_error(projected, expected) <= rel * float(expected.abs().max())
+
+
+@pytest.mark.parametrize("manifold, shape", TANGENT_CASES[:2])
+def test_fused_dual_update_agrees_and_freezes_zero_steps(manifold, shape):
+    W = on_manifold(shape, manifold, torch.float32)
+    G, A = randn(*shape, seed=1), randn(*shape, seed=2)
+    d2 = MANIFOLDS[manifold].squared_norms(W)
+    step = torch.tensor([0.5, 0.0, 1.0], device=DEVICE)  # the second matrix has converged
+    Lambda = kernels.preconditioned(W, G, manifold, d2, alpha=-0.5, backend="triton")
+    H = kernels.tangent_residual(W, A, manifold, backend="triton")
+    M = kernels.symmetric_part(A, G, backend="triton")
+    fused = kernels.dual_update(Lambda, H, M, manifold, d2, step, backend="triton")
+    # the unfused arithmetic of the dual step, written out
+    pair = MANIFOLDS[manifold].pair_scale(W)  # (d_i^2 + d_j^2)
+    H_M = H @ M
+    sym = MANIFOLDS[manifold].gram_projector(0.5 * (H_M + H_M.mT))
+    expected = Lambda - step[:, None, None] * sym / (2 * pair)
+    assert max_error(fused, expected) < 1e-5 * float(expected.abs().max())
+    assert torch.equal(fused[1], Lambda[1])
+    # and its inputs: Lambda0 = -P(W^T G + G^T W) / (2 pair), M = sym(A^T G)
+    for got, want in ((Lambda, -MANIFOLDS[manifold].gram_projector(W.mT @ G + G.mT @ W) / (2 * pair)),
+                      (M, 0.5 * (A.mT @ G + G.mT @ A))):
+        assert max_error(got, want) < 1e-5 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("manifold, shape, solver", [("stiefel", (40, 40), "dual"),
+                                                     ("dgram", (72, 40), "admm")])
+def test_solver_on_triton_kernels_matches_torch(manifold, shape, solver):
+    from manifolds import steepest_direction
+    W = on_manifold(shape, manifold, torch.float32)
+    G = randn(*shape, seed=1)
+    opts = dict(solver=solver, dual_steps=3, admm_steps=2)
+    fused = steepest_direction(W, G, manifold, backend="triton", **opts)
+    assert max_error(fused, steepest_direction(W, G, manifold, backend="torch", **opts)) < 1e-4
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="autotuned GPU configurations (the interpreter has one)")
+@pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_autotuned_gpu_kernels_agree_with_torch(dtype, rel):
+    # Problems of 256 and more rows use the autotuned 64/128-wide tiles; 384 x 640 shares the
+    # compiled specialisations (dimensions divisible by 16) with the GPT-2 banks of the bench.
+    X = randn(2, 384, 640, dtype=dtype)
+    for Y in (X, X.mT):  # wide and tall
+        fused, reference = msign(Y, 5, 2, backend="triton"), msign(Y, 5, 2, backend="torch")
+        assert max_error(fused, reference) <= rel * float(reference.abs().max())
+    W, A = on_manifold((2, 640, 384), "dgram", dtype), randn(2, 640, 384, dtype=dtype, seed=1)
+    d2 = MANIFOLDS["dgram"].squared_norms(W.float()).to(dtype)
+    for op in (kernels.tangent_projection, kernels.preconditioned):
+        fused, reference = op(W, A, "dgram", d2, backend="triton"), op(W, A, "dgram", d2, backend="torch")
+        assert max_error(fused, reference) <= rel / 5 * float(reference.abs().max())
+
+
+def test_fp32_dot_precision_follows_torch():
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("torch before 2.9 has only the legacy precision API")
+    saved = matmul.fp32_precision
+    try:
+        assert products_triton.fp32_precision() == ("tf32" if saved == "tf32" else "tf32x3")
+        matmul.fp32_precision = "tf32"  # what torch.set_float32_matmul_precision("high") sets
+        assert products_triton.fp32_precision() == "tf32"
+        matmul.fp32_precision = "ieee"
+        assert products_triton.fp32_precision() == "tf32x3"
+    finally:
+        matmul.fp32_precision = saved
+
+
+# --- dispatch: the Triton path really runs, once per bank, and never falls back -----------
+
+def test_triton_backend_launches_one_kernel_per_product_per_bank(monkeypatch):
+    for name in ("sym_product", "matmul_add", "symmetric_gram"):  # the torch twin must not run
+        monkeypatch.setattr(products_torch, name, lambda *a, **k: pytest.fail("torch twin ran"))
+    counts = []
+    for batch in (1, 4):
+        before = dict(products_triton.LAUNCHES)
+        msign(randn(batch, 40, 72), steps=5, polish_steps=2, backend="triton")
+        counts.append({k: v - before.get(k, 0) for k, v in products_triton.LAUNCHES.items()})
+    # Polar Express step: S = X X^T, B = b S + c S^2, X <- a X + B X; Newton-Schulz step: b S, a X + b S X
+    assert counts[0] == counts[1] == {"sym_product": 5 * 2 + 2, "matmul_add": 5 + 2, "symmetric_gram": 0}
+
+
+def test_auto_backend_picks_triton_exactly_on_cuda():
+    X = randn(2, 40, 72)
+    before = sum(products_triton.LAUNCHES.values())
+    msign(X, steps=1, backend="auto")
+    launched = sum(products_triton.LAUNCHES.values()) - before
+    assert launched == (3 if DEVICE == "cuda" else 0)  # one Polar Express step: three products
+    assert kernels.products_for("auto", X.double()) is products_torch  # a dtype the kernels do not take
+
+
+def test_bad_backends_raise_user_errors():
+    X = randn(8, 8)
+    with pytest.raises(BackendError, match="unknown kernel backend"):
+        msign(X, backend="cuda")
+    with pytest.raises(BackendError, match="takes"):
+        msign(X.double(), backend="triton")
+
+
+def test_triton_without_cuda_or_interpreter_raises_instead_of_falling_back():
+    # A fresh process without TRITON_INTERPRET, on CPU tensors: no usable Triton backend.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import torch, kernels\n"
+            "try:\n"
+            "    kernels.msign(torch.randn(8, 8), backend='triton')\n"
+            "except kernels.BackendError as err:\n"
+            "    print('raised:', err)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "raised: kernel backend 'triton' needs CUDA tensors" in result.stdout

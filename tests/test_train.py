@@ -98,9 +98,9 @@ def test_batches_partition_the_global_batch_across_ranks(data_dir):
         assert torch.equal(want, got)
 
 
-def run_cli(*argv):
+def run_cli(*argv, env=None):
     return subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), *argv],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=env)
 
 
 @pytest.mark.parametrize("spec", ["hetro", "attn=sphere", "ffn=stiefel"])
@@ -122,3 +122,12 @@ def test_bad_assign_is_a_clean_error(spec, data_dir, tmp_path):
 def test_bad_flags_are_clean_errors(flags, message, data_dir, tmp_path):
     result = run_cli("--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *TINY_MODEL, *flags)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_triton_kernels_on_cpu_are_a_clean_error(data_dir, tmp_path):
+    # No CUDA and no Triton interpreter: --kernels triton cannot run, and says so before training.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = run_cli("--device", "cpu", "--kernels", "triton", "--data-dir", data_dir,
+                     "--out-dir", str(tmp_path / "o"), *TINY_MODEL, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: kernel backend 'triton' needs CUDA tensors")

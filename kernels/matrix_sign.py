@@ -1,4 +1,4 @@
-"""Matrix sign (polar factor) in plain torch: the reference twin of the Triton kernels.
+"""Matrix sign (polar factor) by polynomial iterations, written once over a backend's products.
 
 msign(X) = U V^T for X = U S V^T. We approximate it with odd matrix polynomials applied to
 X normalised so that every singular value lies in (0, 1]:
@@ -8,6 +8,13 @@ X normalised so that every singular value lies in (0, 1]:
 Polar Express coefficients drive all singular values in [~1e-3, 1] into a band around 1 in five
 steps; a few Newton-Schulz steps (a, b, c) = (1.5, -0.5, 0) then polish them to 1 with quadratic
 convergence. The polish is what makes a result fp32-accurate.
+
+`ops` is the module of products that computes a step: `products_torch` (separate torch ops, the
+reference) or `products_triton` (fused kernels). One step is three products:
+
+    S = X X^T                  sym_product(X)                upper-triangle tiles only
+    B = b S + c S^2            sym_product(S, c, S, b)       S S^T = S^2, upper tiles only
+    X <- a X + B X             matmul_add(B, X, X, 1, a)     the identity term in the epilogue
 """
 import torch
 
@@ -28,14 +35,17 @@ def polar_express_coefficients(steps):
     return [POLAR_EXPRESS[min(i, len(POLAR_EXPRESS) - 1)] for i in range(steps)]
 
 
-def polynomial_step(X, a, b, c):
+def polynomial_step(X, a, b, c, ops):
     """One step X <- a X + (b S + c S^2) X with S = X X^T; X is wide (rows <= cols)."""
-    S = X @ X.mT
-    B = b * S + c * (S @ S) if c != 0.0 else b * S
-    return a * X + B @ X
+    if c == 0.0:
+        B = ops.sym_product(X, alpha=b)                # b S
+    else:
+        S = ops.sym_product(X)
+        B = ops.sym_product(S, alpha=c, C=S, beta=b)   # c S S^T + b S
+    return ops.matmul_add(B, X, X, alpha=1.0, beta=a)
 
 
-def msign_torch(X, steps=5, polish_steps=0):
+def msign(X, steps, polish_steps, ops):
     """Polar factor of X (..., m, n), either orientation, computed in X's dtype.
 
     `steps` Polar Express iterations from a Frobenius normalisation, then `polish_steps`
@@ -47,13 +57,13 @@ def msign_torch(X, steps=5, polish_steps=0):
     # ||X||_op <= ||X||_F, so every singular value of the scaled X is <= 1/1.02.
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-12)
     for a, b, c in polar_express_coefficients(steps):
-        X = polynomial_step(X, a, b, c)
+        X = polynomial_step(X, a, b, c, ops)
     for _ in range(polish_steps):
-        X = polynomial_step(X, *NEWTON_SCHULZ)
+        X = polynomial_step(X, *NEWTON_SCHULZ, ops)
     return X.mT if transpose else X
 
 
-def orthonormalize_near(X, steps=3):
+def orthonormalize_near(X, steps, ops):
     """Polar factor of an X that is already close to orthonormal (singular values near 1).
 
     No Frobenius normalisation (it would push singular values to 1/sqrt(n) and cost many
@@ -65,13 +75,13 @@ def orthonormalize_near(X, steps=3):
     if transpose:
         X = X.mT
     a, b, _ = NEWTON_SCHULZ
-    S = X @ X.mT
+    S = ops.sym_product(X)
     eye = torch.eye(S.size(-1), dtype=S.dtype, device=S.device)
     distance = (S - eye).norm(dim=(-2, -1), keepdim=True)
     scale = torch.where(distance > 1.0, (1.0 + distance).rsqrt(), torch.ones_like(distance))
     X, S = X * scale, S * scale.square()
     for step in range(steps):
         if step > 0:
-            S = X @ X.mT
-        X = a * X + (b * S) @ X
+            S = ops.sym_product(X)
+        X = ops.matmul_add(S, X, X, alpha=b, beta=a)   # a X + b S X
     return X.mT if transpose else X

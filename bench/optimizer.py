@@ -1,0 +1,234 @@
+"""Cost and accuracy of one manifold Muon step: the published algorithm against ours.
+
+    python bench/optimizer.py                          # CPU: n_embd 256, 2 layers, hetero
+    python bench/optimizer.py --n-embd 768 --n-layer 12 --device cuda --dtype bfloat16
+
+For the Muon matrices of a GPT-2 (`--assign` decides their manifolds) it times one optimizer
+step of
+  (a) `published`: bench/published.py, a re-statement of the published per-matrix algorithm
+      (20 dual steps of 0.1 with linear decay, 10 Polar-Express iterations per msign, host sync
+      every dual step, Stiefel retraction by msign, DGram by polar factor x sorted singular values);
+  (b) `ours`: ManifoldMuon with its defaults (banked, warm-started from the previous steps);
+  (c) `ours-20`: ManifoldMuon with the paper's iteration count (20 dual / ADMM steps),
+all on the same weights and gradients, in the same precision, in the same process, and prints
+time ratios. Gradients are "momentum-like": a power-law spectrum (s_i ~ 1/i, as the momentum of
+real GPT-2 gradients shows: largest / median singular value ~ 100) plus noise, drifting slowly
+from step to step. With --quality it also measures, for one matrix per bank, the direction
+quality <G/|G|, A>/||A||_op as a fraction of a certified float64 optimum (tests/reference.py),
+the tangent residual and the manifold violation after the step. A FLOP model of both algorithms
+for GPT-2 small is printed too.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from bench.published import PUBLISHED, published_direction, published_step  # noqa: E402
+from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction  # noqa: E402
+from manifolds.assignment import parse_assignment  # noqa: E402
+from manifolds.geometry import MANIFOLDS  # noqa: E402
+
+
+def muon_shapes(n_embd, n_layer):
+    """{module key: [shape] * n_layer}: nn.Linear weights are (out, in)."""
+    d = n_embd
+    return {"attn.qkv": (3 * d, d), "attn.proj": (d, d), "mlp.fc": (4 * d, d), "mlp.proj": (d, 4 * d)}
+
+
+def momentum_like(shape, generator, decay=1.0):
+    rows, cols = shape
+    k = min(rows, cols)
+    U = torch.linalg.qr(torch.randn(rows, k, generator=generator))[0]
+    V = torch.linalg.qr(torch.randn(cols, k, generator=generator))[0]
+    s = torch.arange(1, k + 1, dtype=torch.float32) ** -decay
+    return (U * s) @ V.T + 0.02 * s[0] * torch.randn(shape, generator=generator) / math.sqrt(k)
+
+
+def build(args, device):
+    """Weights (projected GPT-2 init) and a list of gradient sets, one per step."""
+    gen = torch.Generator().manual_seed(0)
+    assignment = parse_assignment(args.assign)
+    banks = []
+    for key, shape in muon_shapes(args.n_embd, args.n_layer).items():
+        std = 0.02 / math.sqrt(2 * args.n_layer) if key.endswith("proj") else 0.02
+        weights = []
+        for _ in range(args.n_layer):
+            W = torch.randn(shape, generator=gen) * std
+            if assignment[key] != "none":
+                W = project_to_manifold(W, assignment[key])
+            weights.append(W)
+        base = [momentum_like(shape, gen) for _ in range(args.n_layer)]
+        grads = [[0.9 * g + 0.1 * momentum_like(shape, gen) for g in base] for _ in range(args.steps + args.warmup)]
+        banks.append({"key": key, "manifold": assignment[key], "W": weights, "G": grads})
+    for bank in banks:
+        bank["W"] = [w.to(device) for w in bank["W"]]
+        bank["G"] = [[g.to(device) for g in step] for step in bank["G"]]
+    return banks
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_published(banks, args, device):
+    weights = {b["key"]: [w.clone() for w in b["W"]] for b in banks}
+    times = []
+    for step in range(args.warmup + args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        for bank in banks:
+            if bank["manifold"] == "none":
+                continue
+            for i, W in enumerate(weights[bank["key"]]):
+                G = bank["G"][step][i]
+                weights[bank["key"]][i] = published_step(W.to(args.dtype), G.to(args.dtype), bank["manifold"],
+                                                         args.lr).float()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times[args.warmup:], weights
+
+
+def time_ours(banks, args, device, **solver):
+    params = {b["key"]: [torch.nn.Parameter(w.clone()) for w in b["W"]] for b in banks}
+    groups = [{"params": params[b["key"]], "manifold": b["manifold"], "name": b["key"]} for b in banks]
+    opt = ManifoldMuon(groups, lr=args.lr, momentum=0.0, nesterov=False, **solver)
+    times = []
+    for step in range(args.warmup + args.steps):
+        for bank in banks:
+            for p, g in zip(params[bank["key"]], bank["G"][step]):
+                p.grad = g
+        sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times[args.warmup:], {k: [p.detach() for p in v] for k, v in params.items()}, opt
+
+
+def quality_report(banks, args):
+    """Direction quality of each algorithm on the last step's (W, G), one matrix per bank."""
+    from reference import optimum, quality  # float64 ADMM with exact SVD and a duality certificate
+    rows = []
+    for bank in banks:
+        if bank["manifold"] == "none":
+            continue
+        W, G = bank["W"][0].double().cpu(), bank["G"][-1][0].double().cpu()
+        tall_W, tall_G = (W.mT, G.mT) if W.size(-2) < W.size(-1) else (W, G)
+        opt, upper = optimum(tall_W, tall_G, bank["manifold"], iters=args.reference_iters)
+        geo = MANIFOLDS[bank["manifold"]]
+        row = {"bank": bank["key"], "manifold": bank["manifold"], "shape": list(W.shape),
+               "reference_gap": (upper - opt) / upper}
+        candidates = {
+            "published": published_direction(tall_W.float(), tall_G.float(), bank["manifold"], **PUBLISHED)[0],
+            "ours": steepest_direction(tall_W.float(), tall_G.float(), bank["manifold"]),
+            "ours-20": steepest_direction(tall_W.float(), tall_G.float(), bank["manifold"],
+                                          dual_steps=20, admm_steps=20),
+        }
+        for name, A in candidates.items():
+            A = A.double()
+            H = geo.tangent_residual(tall_W, A)
+            row[name] = {"quality": quality(tall_W, tall_G, A, opt),
+                         "residual": float(H.square().mean().sqrt() / tall_W.norm(dim=0).mean())}
+        rows.append(row)
+    return rows
+
+
+def msign_flops(p, q, iters):
+    """One matrix sign of a p x q matrix (p >= q) by `iters` quintic steps on the q x q Gram."""
+    return iters * (4 * p * q * q + 2 * q ** 3)
+
+
+def flop_model(n_embd, n_layer, assignment, ours_iterations):
+    """FLOPs of the constrained matrices' solve + retraction per optimizer step.
+
+    published: 21 msign x 10 iterations, plus the per-step products, per matrix.
+    ours: ADMM iterations x (two msigns: p x q and the q x q sign, 5 PE + 2 polish each, plus
+    the tangent projections), or dual steps x one msign; retraction by 3 Newton-Schulz steps.
+    """
+    published = ours = 0
+    for key, (rows, cols) in muon_shapes(n_embd, n_layer).items():
+        manifold = assignment[key]
+        if manifold == "none":
+            continue
+        p, q = max(rows, cols), min(rows, cols)
+        per_pub = (PUBLISHED["dual_steps"] + 2) * msign_flops(p, q, PUBLISHED["msign_iters"]) \
+            + PUBLISHED["dual_steps"] * 6 * p * q * q
+        iterations, solver = ours_iterations.get(key, (0, "admm"))
+        if solver == "admm":
+            per_iter = msign_flops(p, q, 7) + msign_flops(q, q, 7) + 12 * p * q * q
+        else:
+            per_iter = msign_flops(p, q, 7) + 6 * p * q * q
+        per_ours = (iterations + 1) * per_iter + 3 * 4 * p * q * q
+        published += n_layer * per_pub
+        ours += n_layer * per_ours
+    return published, ours
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--assign", default="hetero")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (warm starts, compilation)")
+    ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="precision of the published algorithm's msign (ours keeps fp32 master weights)")
+    ap.add_argument("--quality", action="store_true", help="also measure direction quality (slow)")
+    ap.add_argument("--reference-iters", type=int, default=800)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    args.dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    banks = build(args, device)
+    assignment = parse_assignment(args.assign)
+
+    results = {"config": {k: str(v) for k, v in vars(args).items()}}
+    t_pub, w_pub = time_published(banks, args, device)
+    t_ours, w_ours, opt = time_ours(banks, args, device)
+    t_20, _, _ = time_ours(banks, args, device, dual_steps=20, admm_steps=20)
+    med = lambda t: sorted(t)[len(t) // 2]  # noqa: E731
+    results["seconds_per_step"] = {"published": med(t_pub), "ours": med(t_ours), "ours-20": med(t_20)}
+    results["speedup_vs_published"] = {"ours": med(t_pub) / med(t_ours), "ours-20": med(t_pub) / med(t_20)}
+    results["violation_after_steps"] = {
+        name: {key: max(manifold_violation(w, assignment[key]) for w in ws) for key, ws in weights.items()}
+        for name, weights in (("published", w_pub), ("ours", w_ours))}
+    stats = opt.stats()
+    results["ours_iterations"] = stats
+    ours_iters = {}
+    for name, s in stats.items():
+        key = name.split(":")[0]
+        ours_iters[key] = (s["iterations"], "dual" if key == "attn.proj" and assignment[key] == "stiefel" else "admm")
+    pub_flops, our_flops = flop_model(768, 12, assignment, {k: (v[0] if v[1] == "admm" else 0, v[1])
+                                                             for k, v in ours_iters.items()})
+    results["gpt2_small_flops_per_step"] = {"published": pub_flops, "ours": our_flops,
+                                            "ratio": pub_flops / max(our_flops, 1)}
+    print(f"{args.assign}, n_embd {args.n_embd}, {args.n_layer} layers, {args.device}:")
+    for name, t in results["seconds_per_step"].items():
+        print(f"  {name:10s} {1000 * t:9.1f} ms/step   ({med(t_pub) / t:5.2f}x vs published)")
+    print(f"  manifold violation after the steps: {json.dumps(results['violation_after_steps'])}")
+    print(f"  our solver iterations (last step): {json.dumps(stats)}")
+    print(f"  FLOP model, GPT-2 small (768 x 12, {args.assign}): published {pub_flops / 1e12:.1f} TFLOP, "
+          f"ours {our_flops / 1e12:.2f} TFLOP per step ({pub_flops / max(our_flops, 1):.1f}x less)")
+    if args.quality:
+        results["quality"] = quality_report(banks, args)
+        for row in results["quality"]:
+            print(f"  {row['bank']:9s} {row['manifold']:7s} {tuple(row['shape'])} reference gap {row['reference_gap']:.0e}: "
+                  + "  ".join(f"{n} {row[n]['quality']:.4f} (res {row[n]['residual']:.0e})"
+                              for n in ("published", "ours", "ours-20")))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

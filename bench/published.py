@@ -1,0 +1,50 @@
+"""A faithful re-statement of the published manifold Muon step, for comparison only.
+
+What the published implementation does, per matrix, in a Python loop (MISSION.md):
+  - input G: the (Nesterov) momentum, not normalised;
+  - Lambda0 = -(1/4) P(W^T G + G^T W);
+  - 20 dual steps: A = msign(G + 2 W Lambda) by 10 Polar-Express iterations,
+    H = P(W^T A + A^T W), a tolerance test with a host sync, Lambda -= 0.1 (1 - k/20) H;
+  - A = msign(G + 2 W Lambda);  X = W - eta A;
+  - Stiefel: W <- msign(X) (10 iterations);  DGram: W <- msign(X) diag(sorted singular values
+    of X), which is not a retraction (it reorders column norms).
+Nothing here is used by the trainer.
+"""
+import torch
+
+from kernels import msign
+from manifolds.geometry import MANIFOLDS
+
+PUBLISHED = dict(dual_steps=20, dual_lr=0.1, msign_iters=10, tol=1e-6)
+
+
+def published_direction(W, G, manifold, dual_steps=20, dual_lr=0.1, msign_iters=10, tol=1e-6):
+    """(A, dual steps run) on the tall orientation."""
+    geo = MANIFOLDS[manifold]
+    Lambda = -0.25 * geo.gram_projector(W.mT @ G + G.mT @ W)
+    steps = 0
+    for k in range(dual_steps):
+        A = msign(G + 2 * W @ Lambda, steps=msign_iters)
+        H = geo.tangent_residual(W, A)
+        if float(H.norm() / H.numel() ** 0.5) < tol:  # the published host sync, every step
+            break
+        Lambda = Lambda - dual_lr * (1 - k / dual_steps) * H
+        steps += 1
+    return msign(G + 2 * W @ Lambda, steps=msign_iters), steps
+
+
+def published_retract(X, manifold, msign_iters=10):
+    polar = msign(X, steps=msign_iters)
+    if manifold == "stiefel":
+        return polar
+    return polar * torch.linalg.svdvals(X).unsqueeze(-2)  # polar factor x sorted singular values
+
+
+def published_step(W, G, manifold, eta):
+    """New W (original orientation) for one matrix."""
+    wide = W.size(-2) < W.size(-1)
+    if wide:
+        W, G = W.mT, G.mT
+    A, _ = published_direction(W, G, manifold, **PUBLISHED)
+    new = published_retract(W - eta * A, manifold)
+    return new.mT if wide else new

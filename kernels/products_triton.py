@@ -1,0 +1,327 @@
+"""The three matrix products of the optimizer's hot loop as fused Triton kernels.
+
+Twin of `products_torch.py` (same functions, same arguments, same results up to rounding):
+
+    sym_product(X, alpha, C, beta)   = alpha X X^T + beta C                      (C symmetric)
+    matmul_add(B, X, C, alpha, beta) = beta C + alpha B X
+    symmetric_gram(X, Y, ...)        = base + alpha P(X^T Y + Y^T X) / (d_i^2 + d_j^2),  ||P(.)||_F^2
+
+Design:
+- One launch per bank: the grid is (tiles, batch), so a stack of same-shape matrices is one
+  kernel call whatever its size. Strides are arguments, so transposed views (the tall/wide
+  orientation switch) cost no copy.
+- Symmetric outputs (the first and third product) are computed on the upper-triangle tiles
+  only, enumerated column by column (t = j (j + 1) / 2 + i, i <= j); each program writes its
+  tile and, off the diagonal, the transposed tile. X X^T costs half of a full product, and so
+  does S S^T = S^2 (S symmetric). Diagonal tiles are symmetrised so outputs are exactly
+  symmetric. Inputs said to be symmetric (C, base) are read on the upper tiles only.
+- Everything after the dot products happens in the epilogue, in fp32, on the tile in registers:
+  the scalars, the "+ beta C" identity term of a polynomial step, the DGram off-diagonal
+  projection, the division by (d_i^2 + d_j^2), the per-matrix step size, the partial
+  ||.||_F^2 for the stopping test (one slot per tile, summed afterwards: deterministic, unlike
+  atomics), and the dual update "base + ...". One pass over the output tiles, one store.
+- tl.dot accumulates in fp32. bf16/fp16 inputs feed the tensor cores directly. fp32 inputs use
+  3xTF32 (about 22-bit products, close to fp32) under torch's default fp32 matmul precision,
+  and plain TF32 where torch was told to allow TF32 for its own fp32 matmuls.
+- Tiles: autotuned on the GPU among four 64/128-wide configurations (4-8 warps, 3-5
+  pipeline stages) for problems of GPT-2 size, one 32-wide configuration for small problems.
+  Under the Triton interpreter (TRITON_INTERPRET=1, tests on CPU) only the 32-wide
+  configuration exists, and tiles are cast to fp32 before tl.dot: the interpreter's bf16 dot
+  and bf16 arithmetic are wrong, its fp32 ones exact.
+"""
+from collections import Counter
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+# Kernel launches per function: lets tests prove that the Triton path ran, and how often.
+LAUNCHES = Counter()
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SMALL = 32            # the tile width of small problems and of the interpreter
+SMALL_PROBLEM = 256   # output dimensions below this use the SMALL configuration
+
+
+def fp32_precision():
+    """tl.dot input precision for fp32 tensors: TF32 where torch lets its CUDA fp32 matmuls use
+    TF32, 3xTF32 (close to fp32) where it does not (torch's default)."""
+    # torch.backends.cuda.matmul.fp32_precision reflects both the new API and the legacy
+    # set_float32_matmul_precision ("none" = never set); the legacy getter raises once the
+    # new API was used.
+    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if setting is None:  # torch before 2.9
+        setting = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return "tf32" if setting == "tf32" else "tf32x3"
+
+
+@triton.jit
+def _upper_tile(t):
+    """(i, j), i <= j, of the t-th upper-triangle tile, with t = j (j + 1) / 2 + i."""
+    j = ((tl.sqrt(8.0 * t.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+    j = tl.where(j * (j + 1) // 2 > t, j - 1, j)          # guard against sqrt rounding
+    j = tl.where((j + 1) * (j + 2) // 2 <= t, j + 1, j)
+    return t - j * (j + 1) // 2, j
+
+
+@triton.jit
+def _store_symmetric(Out, acc, i, j, rows_i, rows_j, n, som, son):
+    """Store the (i, j) tile and, off the diagonal, its transpose as the (j, i) tile."""
+    value = acc.to(Out.dtype.element_ty)
+    tl.store(Out + rows_i[:, None] * som + rows_j[None, :] * son, value,
+             mask=(rows_i[:, None] < n) & (rows_j[None, :] < n))
+    if i != j:
+        tl.store(Out + rows_j[:, None] * som + rows_i[None, :] * son, tl.trans(value),
+                 mask=(rows_j[:, None] < n) & (rows_i[None, :] < n))
+
+
+@triton.jit
+def _panel_product(acc, L, slr, slk, R, srk, src, rows, cols, n_rows, n_cols, K,
+                   CAST_FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + L[rows, :] R[:, cols], over K in steps of BLOCK_K with fp32 accumulation.
+    (slr, slk) and (srk, src) are the strides of L and R; entries past n_rows, n_cols or K read 0."""
+    ks = tl.arange(0, BLOCK_K)
+    left = L + rows[:, None] * slr + ks[None, :] * slk
+    right = R + ks[:, None] * srk + cols[None, :] * src
+    for k in range(0, K, BLOCK_K):
+        a = tl.load(left, mask=(rows[:, None] < n_rows) & (ks[None, :] + k < K), other=0.0)
+        b = tl.load(right, mask=(ks[:, None] + k < K) & (cols[None, :] < n_cols), other=0.0)
+        if CAST_FP32:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        left += BLOCK_K * slk
+        right += BLOCK_K * srk
+    return acc
+
+
+def _sym_product_kernel(X, C, Out, alpha, beta, M, K,
+                        sxb, sxm, sxk, scb, scm, scn, sob, som, son,
+                        HAS_C: tl.constexpr, CAST_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Out = alpha X X^T + beta C on the upper tiles of Out (M x M); X is M x K."""
+    i, j = _upper_tile(tl.program_id(0))
+    batch = tl.program_id(1).to(tl.int64)
+    rows_i = i * BLOCK + tl.arange(0, BLOCK)
+    rows_j = j * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    X = X + batch * sxb  # X[i-block, :] times (X^T)[:, j-block]
+    acc = _panel_product(acc, X, sxm, sxk, X, sxk, sxm, rows_i, rows_j, M, M, K,
+                         CAST_FP32, PRECISION, BLOCK_K)
+    if i == j:
+        acc = 0.5 * (acc + tl.trans(acc))
+    acc = acc * alpha
+    if HAS_C:
+        c = tl.load(C + batch * scb + rows_i[:, None] * scm + rows_j[None, :] * scn,
+                    mask=(rows_i[:, None] < M) & (rows_j[None, :] < M), other=0.0)
+        acc += beta * c.to(tl.float32)
+    _store_symmetric(Out + batch * sob, acc, i, j, rows_i, rows_j, M, som, son)
+
+
+def _matmul_add_kernel(B, X, C, Out, alpha, beta, M, N, K,
+                       sbb, sbm, sbk, sxb, sxk, sxn, scb, scm, scn, sob, som, son,
+                       CAST_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Out = beta C + alpha B X; B is M x K, X is K x N."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    # consecutive programs walk down a column of tiles: they share the X block, B stays in L2
+    pid_m, pid_n = pid % tiles_m, pid // tiles_m
+    batch = tl.program_id(1).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _panel_product(acc, B + batch * sbb, sbm, sbk, X + batch * sxb, sxk, sxn, rows, cols, M, N, K,
+                         CAST_FP32, PRECISION, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    c = tl.load(C + batch * scb + rows[:, None] * scm + cols[None, :] * scn, mask=mask, other=0.0)
+    acc = beta * c.to(tl.float32) + alpha * acc
+    tl.store(Out + batch * sob + rows[:, None] * som + cols[None, :] * son,
+             acc.to(Out.dtype.element_ty), mask=mask)
+
+
+def _symmetric_gram_kernel(X, Y, D2, Scale, Base, Out, Sumsq, alpha, P, Q, sumsq_slots,
+                           sxb, sxp, sxq, syb, syp, syq, sdb, sdq, sbb, sbm, sbn, sob, som, son,
+                           ZERO_DIAGONAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                           HAS_BASE: tl.constexpr, WANT_SUMSQ: tl.constexpr,
+                           CAST_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                           BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Upper tiles of Out = base + alpha * scale_b * P(X^T Y + Y^T X) / (d2_i + d2_j) (Q x Q);
+    X, Y are P x Q. Sumsq[b, t] = the tile's share of ||P(X^T Y + Y^T X)||_F^2."""
+    t = tl.program_id(0)
+    i, j = _upper_tile(t)
+    batch = tl.program_id(1).to(tl.int64)
+    cols_i = i * BLOCK + tl.arange(0, BLOCK)
+    cols_j = j * BLOCK + tl.arange(0, BLOCK)
+    X = X + batch * sxb
+    Y = Y + batch * syb
+    # tile (i, j) of X^T Y + Y^T X = (X^T)[i-block, :] Y[:, j-block] + (Y^T)[i-block, :] X[:, j-block]
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    acc = _panel_product(acc, X, sxq, sxp, Y, syp, syq, cols_i, cols_j, Q, Q, P,
+                         CAST_FP32, PRECISION, BLOCK_K)
+    acc = _panel_product(acc, Y, syq, syp, X, sxp, sxq, cols_i, cols_j, Q, Q, P,
+                         CAST_FP32, PRECISION, BLOCK_K)
+    mask_i = cols_i[:, None] < Q
+    mask_j = cols_j[None, :] < Q
+    if i == j:
+        acc = 0.5 * (acc + tl.trans(acc))
+    if ZERO_DIAGONAL:  # DGram: P = Off
+        acc = tl.where(cols_i[:, None] == cols_j[None, :], 0.0, acc)
+    if WANT_SUMSQ:  # an off-diagonal tile stands for itself and its mirror
+        share = tl.sum(tl.sum(acc * acc, axis=1), axis=0) * tl.where(i == j, 1.0, 2.0)
+        tl.store(Sumsq + batch * sumsq_slots + t, share)
+    if DIVIDE:  # the Gram-space metric (d_i^2 + d_j^2)
+        d2_i = tl.load(D2 + batch * sdb + cols_i * sdq, mask=cols_i < Q, other=1.0).to(tl.float32)
+        d2_j = tl.load(D2 + batch * sdb + cols_j * sdq, mask=cols_j < Q, other=1.0).to(tl.float32)
+        acc = acc / (d2_i[:, None] + d2_j[None, :])
+    acc = acc * alpha
+    if HAS_SCALE:
+        acc = acc * tl.load(Scale + batch).to(tl.float32)
+    if HAS_BASE:
+        base = tl.load(Base + batch * sbb + cols_i[:, None] * sbm + cols_j[None, :] * sbn,
+                       mask=mask_i & mask_j, other=0.0)
+        acc += base.to(tl.float32)
+    _store_symmetric(Out + batch * sob, acc, i, j, cols_i, cols_j, Q, som, son)
+
+
+# ----------------------------------------------------------------------------------------
+# Configurations: autotuned on the GPU, one small configuration for small problems and the interpreter
+
+_jit = {name: triton.jit(fn) for name, fn in (("sym_product", _sym_product_kernel),
+                                               ("matmul_add", _matmul_add_kernel),
+                                               ("symmetric_gram", _symmetric_gram_kernel))}
+# under TRITON_INTERPRET=1 (read when triton.jit decorates), the kernels run in the interpreter
+INTERPRETED = isinstance(_jit["sym_product"], InterpretedFunction)
+
+
+def _square(block, block_k, warps, stages):
+    return triton.Config({"BLOCK": block, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
+
+
+def _rect(block_m, block_n, block_k, warps, stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k},
+                         num_warps=warps, num_stages=stages)
+
+
+SMALL_CONFIGS = {"sym_product": _square(SMALL, SMALL, 4, 2),
+                 "matmul_add": _rect(SMALL, SMALL, SMALL, 4, 2),
+                 "symmetric_gram": _square(SMALL, SMALL, 4, 2)}
+def _square_tiles():
+    return [_square(128, 64, 8, 3), _square(128, 32, 4, 4), _square(64, 64, 4, 4), _square(64, 32, 4, 5)]
+
+
+GPU_CONFIGS = {
+    "sym_product": _square_tiles(),
+    "matmul_add": [_rect(128, 128, 64, 8, 3), _rect(128, 256, 64, 8, 3), _rect(64, 128, 64, 4, 4),
+                   _rect(128, 64, 32, 4, 4)],
+    "symmetric_gram": _square_tiles(),
+}
+TUNING_KEYS = {"sym_product": ["M", "K", "HAS_C"], "matmul_add": ["M", "N", "K"],
+               "symmetric_gram": ["P", "Q", "ZERO_DIAGONAL", "DIVIDE", "HAS_BASE"]}
+# GPU problems of GPT-2 size: autotuned among GPU_CONFIGS (the key's dtypes are added by Triton)
+_tuners = {} if INTERPRETED else {name: triton.autotune(GPU_CONFIGS[name], key=TUNING_KEYS[name])(fn)
+                                  for name, fn in _jit.items()}
+_chosen = {}  # (name, key) -> the configuration the autotuner picked
+
+
+def _launch(name, grid, args, size, key, **constexprs):
+    """Launch kernel `name` once, for an output of `size` (rows, cols), on the device of its
+    first operand args[0] (Triton launches on the current CUDA device).
+
+    Small problems and the interpreter use the SMALL configuration. Otherwise the first launch
+    for a key goes through the autotuner (which benchmarks its configurations on the GPU);
+    later ones call the kernel with the chosen configuration directly, which saves the
+    autotuner's per-call Python work: it matters for 768 x 768 banks, whose kernels take tens
+    of microseconds.
+    """
+    device = args[0].device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return _launch(name, grid, args, size, key, **constexprs)
+    LAUNCHES[name] += 1
+    if INTERPRETED or max(size) < SMALL_PROBLEM:
+        config = SMALL_CONFIGS[name]
+    else:
+        config = _chosen.get((name, key))
+        if config is None:
+            _tuners[name][grid](*args, **constexprs)
+            _chosen[(name, key)] = _tuners[name].best_config
+            return
+    _jit[name][grid](*args, **constexprs, **config.all_kwargs())
+
+
+def upper_tiles(n, block):
+    tiles = triton.cdiv(n, block)
+    return tiles * (tiles + 1) // 2
+
+
+# ----------------------------------------------------------------------------------------
+# Python wrappers: flatten the batch, check the arguments, launch once
+
+
+def _batched(T):
+    """T (..., r, c) as (b, r, c): a view when the strides allow it."""
+    return T if T.dim() == 3 else T.reshape((-1,) + T.shape[-2:])
+
+
+def _check(shapes, **tensors):
+    """The tensors have the shapes (`None` skips one) and one supported dtype: the kernels index
+    them without bounds of their own, so a mismatch is an error here, not a wrong read there."""
+    named = {name: T for name, T in tensors.items() if T is not None}
+    for name, T in named.items():
+        if tuple(T.shape) != tuple(shapes[name]):
+            raise ValueError(f"Triton products: {name} has shape {tuple(T.shape)}, "
+                             f"expected {tuple(shapes[name])}")
+    dtype = next(iter(named.values())).dtype
+    if any(T.dtype != dtype for T in named.values()) or dtype not in DTYPES:
+        raise TypeError(f"Triton products take one dtype of {', '.join(map(str, DTYPES))}, got "
+                        + ", ".join(f"{name} {T.dtype}" for name, T in named.items()))
+    # input_precision only matters for fp32 operands; "tf32" is tl.dot's default for the others
+    return dict(CAST_FP32=INTERPRETED, PRECISION=fp32_precision() if dtype == torch.float32 else "tf32")
+
+
+def sym_product(X, alpha=1.0, C=None, beta=0.0):
+    batch, (m, k) = X.shape[:-2], X.shape[-2:]
+    options = _check(dict(X=X.shape, C=batch + (m, m)), X=X, C=C)
+    X3 = _batched(X)
+    out = torch.empty(X3.shape[0], m, m, dtype=X.dtype, device=X.device)
+    C3 = out if C is None else _batched(C)
+    grid = lambda meta: (upper_tiles(m, meta["BLOCK"]), X3.shape[0])  # noqa: E731
+    args = (X3, C3, out, float(alpha), float(beta), m, k, *X3.stride(), *C3.stride(), *out.stride())
+    _launch("sym_product", grid, args, (m, m), (m, k, C is not None, X.dtype), HAS_C=C is not None, **options)
+    return out.reshape(batch + (m, m))
+
+
+def matmul_add(B, X, C, alpha=1.0, beta=1.0):
+    batch, (m, k), n = B.shape[:-2], B.shape[-2:], X.size(-1)
+    options = _check(dict(B=B.shape, X=batch + (k, n), C=batch + (m, n)), B=B, X=X, C=C)
+    B3, X3, C3 = _batched(B), _batched(X), _batched(C)
+    out = torch.empty(B3.shape[0], m, n, dtype=C.dtype, device=C.device)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),  # noqa: E731
+                         B3.shape[0])
+    args = (B3, X3, C3, out, float(alpha), float(beta), m, n, k,
+            *B3.stride(), *X3.stride(), *C3.stride(), *out.stride())
+    _launch("matmul_add", grid, args, (m, n), (m, n, k, C.dtype), **options)
+    return out.reshape(batch + (m, n))
+
+
+def symmetric_gram(X, Y, zero_diagonal=False, d2=None, alpha=1.0, base=None, want_sumsq=False):
+    batch, q = X.shape[:-2], X.size(-1)
+    options = _check(dict(X=X.shape, Y=X.shape, base=batch + (q, q)), X=X, Y=Y, base=base)
+    X3, Y3 = _batched(X), _batched(Y)
+    b, p, q = X3.shape
+    out = torch.empty(b, q, q, dtype=X.dtype, device=X.device)
+    # d2 (..., q) may broadcast over the batch (Stiefel: all ones): a stride-0 view
+    D2 = out[:, 0] if d2 is None else d2.expand(batch + (q,)).reshape(b, q)
+    scale = isinstance(alpha, torch.Tensor)
+    Scale = alpha.to(torch.float32).expand(batch).reshape(b) if scale else out
+    Base = out if base is None else _batched(base)
+    slots = upper_tiles(q, SMALL)  # the most tiles any configuration has
+    Sumsq = torch.zeros(b, slots, dtype=torch.float32, device=X.device) if want_sumsq else out
+    grid = lambda meta: (upper_tiles(q, meta["BLOCK"]), b)  # noqa: E731
+    args = (X3, Y3, D2, Scale, Base, out, Sumsq, 1.0 if scale else float(alpha), p, q, slots,
+            *X3.stride(), *Y3.stride(), *D2.stride(), *Base.stride(), *out.stride())
+    flags = dict(ZERO_DIAGONAL=zero_diagonal, DIVIDE=d2 is not None, HAS_SCALE=scale,
+                 HAS_BASE=base is not None, WANT_SUMSQ=want_sumsq)
+    _launch("symmetric_gram", grid, args, (q, q), (p, q, X.dtype, *flags.values()), **flags, **options)
+    sumsq = Sumsq.sum(dim=-1).reshape(batch) if want_sumsq else None
+    return out.reshape(batch + (q, q)), sumsq

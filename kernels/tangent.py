@@ -1,0 +1,65 @@
+"""Gram-space tangent operations at a bank W (tall: (..., p, q), p >= q), over a backend's products.
+
+The tangent space of a manifold at W is {A : P(W^T A + A^T W) = 0}, P its Gram projector:
+identity for Stiefel, Off (zero the diagonal) for DGram; `none` has no constraint (P = 0).
+With d_i^2 the squared column norms (Stiefel: d = 1) the Gram-space metric is
+(d_i^2 + d_j^2): for symmetric M in range(P), W^T (W M) + (W M)^T W = (d_i^2 + d_j^2) M_ij on
+the manifold. Each operation below is one `symmetric_gram` (one fused pass over the q x q tiles
+on the Triton backend), at most followed by one `matmul_add`:
+
+    tangent_residual     H = P(W^T A + A^T W)         and ||H||_F^2 for the stopping test
+    preconditioned       alpha P(W^T A + A^T W) / (d_i^2 + d_j^2)
+    tangent_projection   A - W M,  M = P(W^T A + A^T W) / (d_i^2 + d_j^2)
+    dual_update          Lambda - step P(H M + M H) / (4 (d_i^2 + d_j^2))   (H, M symmetric)
+    symmetric_part       (A^T X + X^T A) / 2
+"""
+import torch
+
+ZERO_DIAGONAL = {"stiefel": False, "dgram": True}  # P = identity / P = Off
+MANIFOLDS = (*ZERO_DIAGONAL, "none")
+
+
+def _zero_diagonal(manifold):
+    if manifold not in MANIFOLDS:
+        raise ValueError(f"unknown manifold {manifold!r}; valid: {', '.join(MANIFOLDS)}")
+    return ZERO_DIAGONAL.get(manifold)
+
+
+def tangent_residual(W, A, manifold, ops, with_norm=False):
+    """H = P(W^T A + A^T W), zero exactly when A is tangent at W; with_norm: (H, ||H||_F^2)."""
+    zero_diagonal = _zero_diagonal(manifold)
+    if zero_diagonal is None:  # none: P = 0
+        H = W.new_zeros(W.shape[:-2] + (W.size(-1), W.size(-1)))
+        return (H, W.new_zeros(W.shape[:-2], dtype=torch.float32)) if with_norm else H
+    H, sumsq = ops.symmetric_gram(W, A, zero_diagonal, want_sumsq=with_norm)
+    return (H, sumsq) if with_norm else H
+
+
+def preconditioned(W, A, manifold, d2, alpha, ops):
+    """alpha P(W^T A + A^T W) / (d_i^2 + d_j^2); alpha a float or one per matrix."""
+    zero_diagonal = _zero_diagonal(manifold)
+    if zero_diagonal is None:
+        return W.new_zeros(W.shape[:-2] + (W.size(-1), W.size(-1)))
+    return ops.symmetric_gram(W, A, zero_diagonal, d2=d2, alpha=alpha)[0]
+
+
+def tangent_projection(W, A, manifold, d2, ops):
+    """Euclidean projection A - W M of A onto the tangent space at W (W on the manifold)."""
+    if _zero_diagonal(manifold) is None:
+        return A
+    return ops.matmul_add(W, preconditioned(W, A, manifold, d2, 1.0, ops), A, alpha=-1.0)
+
+
+def dual_update(Lambda, H, M, manifold, d2, step, ops):
+    """Lambda - step P(sym(H M)) / (2 (d_i^2 + d_j^2)) for symmetric H, M and Lambda;
+    step a float or one per matrix. sym(H M) = (H^T M + M^T H) / 2 is a symmetric Gram."""
+    zero_diagonal = _zero_diagonal(manifold)
+    if zero_diagonal is None:
+        return Lambda
+    alpha = -0.25 * step
+    return ops.symmetric_gram(H, M, zero_diagonal, d2=d2, alpha=alpha, base=Lambda)[0]
+
+
+def symmetric_part(A, X, ops):
+    """(A^T X + X^T A) / 2 for A, X (..., p, q)."""
+    return ops.symmetric_gram(A, X, alpha=0.5)[0]
