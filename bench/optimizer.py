@@ -146,12 +146,16 @@ def msign_flops(p, q, iters):
     return iters * (4 * p * q * q + 2 * q ** 3)
 
 
-def flop_model(n_embd, n_layer, assignment, ours_iterations):
-    """FLOPs of the constrained matrices' solve + retraction per optimizer step.
+def flop_model(n_embd, n_layer, assignment, ours_iterations, msign_iters=7):
+    """Multiply-add FLOPs (x2) of the constrained matrices' direction + retraction per step.
 
-    published: 21 msign x 10 iterations, plus the per-step products, per matrix.
-    ours: ADMM iterations x (two msigns: p x q and the q x q sign, 5 PE + 2 polish each, plus
-    the tangent projections), or dual steps x one msign; retraction by 3 Newton-Schulz steps.
+    published: 22 msign x 10 Polar-Express iterations per matrix (20 dual steps, the final
+    direction, the retraction), plus the dual steps' products.
+    ours: square Stiefel by one dual evaluation (two msigns); tall banks (rows >= 2 cols) by
+    ADMM in span[W, G] coefficients: K = V^T V once (4 p q^2), per iteration a Polar Express
+    on the q x q Gram (4 q^3 per step), the q x q sign (3 q^3 per step) and ~12 q^3 of
+    coefficient algebra, then A = V c (2 p q^2); other shapes by ADMM on p x q matrices;
+    retraction by 3 Newton-Schulz steps (4 p q^2 each).
     """
     published = ours = 0
     for key, (rows, cols) in muon_shapes(n_embd, n_layer).items():
@@ -159,16 +163,18 @@ def flop_model(n_embd, n_layer, assignment, ours_iterations):
         if manifold == "none":
             continue
         p, q = max(rows, cols), min(rows, cols)
-        per_pub = (PUBLISHED["dual_steps"] + 2) * msign_flops(p, q, PUBLISHED["msign_iters"]) \
-            + PUBLISHED["dual_steps"] * 6 * p * q * q
-        iterations, solver = ours_iterations.get(key, (0, "admm"))
-        if solver == "admm":
-            per_iter = msign_flops(p, q, 7) + msign_flops(q, q, 7) + 12 * p * q * q
+        published += n_layer * ((PUBLISHED["dual_steps"] + 2) * msign_flops(p, q, PUBLISHED["msign_iters"])
+                                + 2 * PUBLISHED["dual_steps"] * 6 * p * q * q)
+        iterations = ours_iterations.get(key, 8)
+        if manifold == "stiefel" and p == q:
+            solve = 2 * msign_flops(p, q, msign_iters) + 12 * p * q * q
+        elif p >= 2 * q:
+            per_iteration = 2 * (4 * msign_iters * q ** 3 + 3 * msign_iters * q ** 3 + 12 * q ** 3)
+            solve = 2 * (4 * p * q * q + 2 * p * q * q) + iterations * per_iteration
         else:
-            per_iter = msign_flops(p, q, 7) + 6 * p * q * q
-        per_ours = (iterations + 1) * per_iter + 3 * 4 * p * q * q
-        published += n_layer * per_pub
-        ours += n_layer * per_ours
+            per_iteration = msign_flops(p, q, msign_iters) + msign_flops(q, q, msign_iters) + 12 * p * q * q
+            solve = iterations * per_iteration
+        ours += n_layer * (solve + 3 * 4 * p * q * q + 8 * p * q * q)  # + retraction, final projection
     return published, ours
 
 
@@ -204,12 +210,8 @@ def main():
         for name, weights in (("published", w_pub), ("ours", w_ours))}
     stats = opt.stats()
     results["ours_iterations"] = stats
-    ours_iters = {}
-    for name, s in stats.items():
-        key = name.split(":")[0]
-        ours_iters[key] = (s["iterations"], "dual" if key == "attn.proj" and assignment[key] == "stiefel" else "admm")
-    pub_flops, our_flops = flop_model(768, 12, assignment, {k: (v[0] if v[1] == "admm" else 0, v[1])
-                                                             for k, v in ours_iters.items()})
+    iterations = {name.split(":")[0]: s["iterations"] for name, s in stats.items()}
+    pub_flops, our_flops = flop_model(768, 12, assignment, iterations)
     results["gpt2_small_flops_per_step"] = {"published": pub_flops, "ours": our_flops,
                                             "ratio": pub_flops / max(our_flops, 1)}
     print(f"{args.assign}, n_embd {args.n_embd}, {args.n_layer} layers, {args.device}:")

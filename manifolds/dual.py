@@ -32,6 +32,7 @@ import torch
 
 import kernels
 from manifolds.geometry import MANIFOLDS
+from manifolds.span import span_admm
 
 
 @dataclass
@@ -44,6 +45,7 @@ class SolverOptions:
     dual_lr: float = 1.0        # dual step, relative to the preconditioned Newton-like scale
     admm_rho: float = 0.5       # ADMM penalty, relative to the spectral norm of Proj_T(G)
     admm_relax: float = 1.5     # ADMM over-relaxation (1 = plain ADMM)
+    reduce: bool = True         # ADMM on tall matrices (rows >= 2 cols) in span[W, G] coefficients
     msign_steps: int = 5        # Polar Express iterations per matrix sign
     polish_steps: int = 2       # Newton-Schulz polish iterations per matrix sign
     check_every: int = 2        # iterations between convergence checks (host syncs)
@@ -176,6 +178,11 @@ def dual_ascent(W, G, geo, correction, opts):
 
 def admm(W, G, geo, warm, opts):
     d2 = geo.squared_norms(W)
+    if opts.reduce and W.size(-2) >= 2 * W.size(-1):
+        # tall banks: the same iteration in span[W, G] coefficients, O(q^3) per iteration
+        B, Z, iterations = span_admm(W, G, geo, opts)
+        _, sumsq = kernels.tangent_residual(W, Z, geo.name, opts.backend, with_norm=True)
+        return Solution(finalize(W, B, geo, d2, opts), None, relative_residual(W, sumsq), iterations)
     GT = geo.tangent_projection(W, G, d2, opts.backend)
     # The penalty scale: rho ~ ||Proj_T G||_op balances G / rho against the unit ball for
     # both flat and spiky spectra (momentum gradients have a few dominant singular values).

@@ -128,8 +128,11 @@ class ManifoldMuon(torch.optim.Optimizer):
             new_W = W * (1 - eta * group["weight_decay"]) - eta * solution.A
         else:
             new_W = MANIFOLDS[manifold].retract(W - eta * solution.A, near=True, backend=opts.backend)
-            for p, s in zip(params, solution.state):
-                self.state[p]["dual"] = s
+            for i, p in enumerate(params):  # solvers without a warm start return no state
+                if solution.state is None:
+                    self.state[p].pop("dual", None)
+                else:
+                    self.state[p]["dual"] = solution.state[i]
         # tensors, not floats: reading them would sync the device every bank
         self.last_stats[self.bank_name(group, params)] = {"iterations": solution.iterations,
                                                           "residual": solution.residual.max()}
