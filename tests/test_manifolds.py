@@ -9,7 +9,7 @@ from manifolds.dual import SolverOptions, solve_tall
 from manifolds.geometry import MANIFOLDS
 from reference import optimum, quality, random_point
 
-SHAPES = {"tall": (48, 16), "wide": (16, 48), "square": (24, 24)}
+SHAPES = {"tall": (48, 16), "wide": (16, 48), "square": (40, 40)}
 
 
 # --- projection, violation, retraction --------------------------------------------------
