@@ -32,7 +32,7 @@ import torch
 
 import kernels
 from manifolds.geometry import MANIFOLDS
-from manifolds.span import span_admm
+from manifolds.span import span_admm, top_eigenvalue
 
 
 @dataclass
@@ -96,24 +96,8 @@ def relative_residual(W, sumsq):
 
 
 def spectral_norm(A, iters):
-    """||A||_op per matrix by power iteration on (A^T A / ||A^T A||_F)^8 (q x q).
-
-    Three squarings make the iteration converge like 8 x iters plain power steps, which
-    matters when the top singular values are close (they are, for a near-msign A).
-    """
-    gram = A.mT @ A
-    scale = gram.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
-    power = gram / scale  # eigenvalues in [0, 1]
-    for _ in range(3):
-        power = power @ power
-    v = torch.ones(gram.shape[:-1] + (1,), dtype=A.dtype, device=A.device)
-    v[..., 0, :] = 2.0  # break symmetry with an all-ones vector that might be degenerate
-    for _ in range(iters):
-        v = power @ v
-        v = v / v.norm(dim=-2, keepdim=True).clamp_min(1e-30)
-    # Rayleigh quotient on the unsquared Gram: lambda_max(A^T A) = ||A||_op^2
-    top = (v * (gram @ v)).sum(dim=(-2, -1))
-    return top.clamp_min(0).sqrt()
+    """||A||_op per matrix: the square root of the top eigenvalue of A^T A (q x q)."""
+    return top_eigenvalue(A.mT @ A, iters).sqrt()
 
 
 def spectral_clip(Y, opts):
