@@ -98,28 +98,30 @@ paper_data() {
 
 # Run every spec of SPECS with DEFAULTS + FLAGS in $RUNS_DIR, then write the report.
 ablation() {
-    local setting=$1 n=${#SPECS[@]} i=0 spec dir status rc
-    local -a launch resume
+    local setting=$1 n=${#SPECS[@]} i=0 data_given=0 flag spec dir status rc
+    local -a launch defaults resume data=()
     for flag in "${FLAGS[@]}"; do
         case $flag in
-            --out-dir|--out-dir=*) die "run.sh gives every run its own --out-dir under RUNS_DIR; set RUNS_DIR instead" ;;
-            --assign|--assign=*) die "run.sh sets --assign per run; use: bash run.sh assign SPEC... [train flags]" ;;
-            --resume|--resume=*|--overwrite) die "run.sh decides --resume/--overwrite itself (finished runs are kept)" ;;
-            --data-dir|--data-dir=*) DATA_DIR=given ;;
+            --out-dir|--out-dir=*)
+                die "run.sh gives every run its own --out-dir under RUNS_DIR; set RUNS_DIR instead" ;;
+            --assign|--assign=*)
+                die "run.sh sets --assign per run; use: bash run.sh assign SPEC... [train flags]" ;;
+            --resume|--resume=*|--overwrite)
+                die "run.sh decides --resume/--overwrite itself (finished runs are kept)" ;;
+            --data-dir|--data-dir=*) data_given=1 ;;
         esac
     done
     setup
-    local -a data=()
-    if [ "${DATA_DIR:-}" != given ]; then
+    if [ $data_given = 0 ]; then  # no --data-dir among the flags: prepare the setting's data
         if [ "$setting" = paper ]; then paper_data; else quick_data; fi
         data=(--data-dir "$DATA_DIR")
     fi
     if [ "$setting" = paper ]; then
-        launch=("$VENV/bin/python" -m torch.distributed.run --standalone "--nproc_per_node=${NPROC:-8}" train_gpt2.py)
-        local -a defaults=("${PAPER[@]}")
+        launch=("$VENV/bin/python" -m torch.distributed.run --standalone "--nproc_per_node=${NPROC:-8}")
+        defaults=("${PAPER[@]}")
     else
-        launch=("$VENV/bin/python" train_gpt2.py)
-        local -a defaults=("${QUICK[@]}")
+        launch=("$VENV/bin/python")
+        defaults=("${QUICK[@]}")
     fi
     RUNS_DIR=${RUNS_DIR:-runs/$setting-$(date +%Y%m%d-%H%M%S)}
     mkdir -p "$RUNS_DIR"
@@ -136,7 +138,7 @@ ablation() {
         elif [ -e "$dir/config.json" ]; then resume=(--overwrite); fi
         echo "== [$i/$n] $spec -> $dir ${resume[*]}"
         set +e
-        "${launch[@]}" "${defaults[@]}" "${data[@]}" --run-name "$spec" "${FLAGS[@]}" \
+        "${launch[@]}" train_gpt2.py "${defaults[@]}" "${data[@]}" --run-name "$spec" "${FLAGS[@]}" \
             --assign "$spec" --out-dir "$dir" "${resume[@]}"
         rc=$?
         set -e

@@ -60,7 +60,8 @@ def parse_args(argv=None):
     a.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="autocast precision of the forward pass; auto = bfloat16 on cuda, float32 on cpu. "
                         "Master weights and the manifold optimizer stay float32")
-    a.add_argument("--compile", action="store_true", help="torch.compile the model (GPU runs)")
+    a.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch.compile the model (GPU runs)")
     a.add_argument("--wandb", choices=("off", "offline", "online"), default="off",
                    help="Weights & Biases logging; offline writes a local run that `wandb sync` uploads")
     a.add_argument("--wandb-project", default="manifold-muon-gpt2", help="wandb project name")
@@ -446,7 +447,8 @@ def evaluate_and_diagnose(model, stream, args, device, autocast, env=DistEnv()):
     if probe is None:
         return val_loss, eval_tokens, {}
     t1 = time.perf_counter()
-    matrices = {key: [(name, p.detach()) for name, p in entries] for key, entries in muon_matrices(model).items()}
+    matrices = {key: [(name, p.detach()) for name, p in entries]
+                for key, entries in muon_matrices(model).items()}
     fields = {**probe.results(), **matrix_stats(matrices, args.assignment, args.n_embd)}
     weights_ms = 1000 * (time.perf_counter() - t1)
     return val_loss, eval_tokens, {**fields, "eval_ms": 1000 * (t1 - t0) - probe.ms,
@@ -743,7 +745,8 @@ def train(args, env):
                 flush=True)
         evaluated = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
         if evaluated and math.isfinite(train_loss):
-            val_loss, eval_tokens, eval_fields = evaluate_and_diagnose(model, val_stream, args, device, autocast, env)
+            val_loss, eval_tokens, eval_fields = evaluate_and_diagnose(
+                model, val_stream, args, device, autocast, env)
             replica_diff = replica_max_abs_diff(model, env)
             if log:
                 log.row(step=step + 1, val_loss=val_loss, eval_tokens=eval_tokens,

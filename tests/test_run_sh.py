@@ -1,8 +1,10 @@
 """run.sh end to end on tiny settings: the ablation commands, their outputs and their mistakes."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -85,3 +87,38 @@ def test_quick_without_data_dir_offline_trains_on_the_bundled_sample(tmp_path):
 def test_mistakes_are_one_clean_line(args, message, tmp_path):
     result = run_sh(tmp_path, *args)
     assert result.returncode == 2 and message in result.stderr and not (tmp_path / "runs").exists()
+
+
+def test_assign_paper_runs_under_torchrun(data_dir, tmp_path):
+    # the paper setting's launcher, on 2 CPU processes; its --compile and wandb undone by flags
+    result = run_sh(tmp_path, "assign", "--paper", "hetero", "--data-dir", data_dir, "--vocab-size", "64", *TINY,
+                    "--no-compile", "--wandb", "off", NPROC="2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    config = json.load(open(tmp_path / "runs" / "hetero" / "config.json"))
+    assert config["world_size"] == 2 and config["batch_size"] == 4 and config["compile"] is False
+    assert config["n_layer"] == 1 and config["wandb"] == "off"
+    assert report_rows(tmp_path / "runs")["hetero"][2] == "4"
+
+
+def test_ctrl_c_stops_the_ablation_and_a_rerun_resumes(data_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SKIP_SETUP": "1", "VENV": sys.prefix,
+           "RUNS_DIR": str(tmp_path / "runs")}
+    args = ["assign", "hetero", "unconstrained", "--data-dir", data_dir, "--vocab-size", "64", *TINY,
+            "--max-steps", "60", "--ckpt-every", "5"]
+    proc = subprocess.Popen(["bash", os.path.join(ROOT, "run.sh"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    first = tmp_path / "runs" / "hetero" / "ckpt_00000010.pt"
+    deadline = time.time() + 120
+    while not first.exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 4, out[-2000:] + err[-2000:]
+    assert "hetero: interrupted" in out and not (tmp_path / "runs" / "unconstrained").exists()
+    again = run_sh(tmp_path, *args)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "hetero -> " in again.stdout and "--resume auto" in again.stdout
+    for name in ("hetero", "unconstrained"):
+        summary = json.load(open(tmp_path / "runs" / name / "summary.json"))
+        assert summary["status"] == "completed" and summary["steps"] == 60
