@@ -145,7 +145,8 @@ def test_eval_and_train_rows_carry_every_diagnostic(data_dir, tmp_path):
     for r in (r for r in all_rows if "train_loss" in r):
         assert "opt_ms" in r and set(r["solver_iterations"]) == set(r["solver_residual"])
         assert len(r["solver_iterations"]) == 4  # one bank per module key in a 2-layer model
-        assert all(isinstance(k, int) and 0 <= k <= 8 for k in r["solver_iterations"].values())
+        # within the budgets (--dual-steps/--admm-steps 8; ADMM doubles its own for near-square banks)
+        assert all(isinstance(k, int) and 0 <= k <= 16 for k in r["solver_iterations"].values())
         assert all(math.isfinite(x) and x >= 0 for x in r["solver_residual"].values())
         assert r["solver_iterations"]["mlp.proj=none:32x128"] == 0  # plain Muon solves nothing
 
