@@ -30,6 +30,7 @@ from data.shards import ShardError, open_tokens
 from errors import UserError, run_cli
 from kernels import BACKENDS as KERNEL_BACKENDS, check_backend
 from training.checkpoints import checkpoint_path, load_checkpoint, load_newest, save_atomic, save_checkpoint
+from training.diagnostics import AttentionProbe, matrix_stats
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
 from manifolds.assignment import MATRIX_KEYS, parse_assignment, valid_choices
@@ -59,7 +60,8 @@ def parse_args(argv=None):
     a.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="autocast precision of the forward pass; auto = bfloat16 on cuda, float32 on cpu. "
                         "Master weights and the manifold optimizer stay float32")
-    a.add_argument("--compile", action="store_true", help="torch.compile the model (GPU runs)")
+    a.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch.compile the model (GPU runs)")
     a.add_argument("--wandb", choices=("off", "offline", "online"), default="off",
                    help="Weights & Biases logging; offline writes a local run that `wandb sync` uploads")
     a.add_argument("--wandb-project", default="manifold-muon-gpt2", help="wandb project name")
@@ -411,9 +413,10 @@ def max_violations(model, assignment):
 
 
 @torch.no_grad()
-def evaluate(model, stream, args, device, autocast, env=DistEnv()):
+def evaluate(model, stream, args, device, autocast, env=DistEnv(), probe=None):
     """Mean loss over the first --eval-tokens tokens of the val shards (windows in order;
-    rank r of N takes windows r, r + N, ...; the sums are all-reduced)."""
+    rank r of N takes windows r, r + N, ...; the sums are all-reduced). A `probe` (context
+    manager) watches the forward pass of this rank's first batch."""
     windows = min(args.eval_tokens, stream.total - 1) // args.seq_len
     if windows == 0:
         raise UserError(f"the val shards hold {stream.total} tokens: fewer than one sequence of "
@@ -424,13 +427,32 @@ def evaluate(model, stream, args, device, autocast, env=DistEnv()):
     for first in range(0, len(mine), args.batch_size):
         rows = [stream.read(w * args.seq_len, args.seq_len + 1) for w in mine[first:first + args.batch_size]]
         batch = torch.from_numpy(np.stack(rows)).to(device)
-        with autocast:
+        with autocast, probe if probe is not None and first == 0 else contextlib.nullcontext():
             loss = model(batch[:, :-1], batch[:, 1:])
         total += loss.item() * len(rows)
         count += len(rows)
     model.train()
     total, count = all_reduce_sum([total, count], env, device)
     return total / count, windows * args.seq_len
+
+
+def evaluate_and_diagnose(model, stream, args, device, autocast, env=DistEnv()):
+    """evaluate(), plus on rank 0 the diagnostics of training/diagnostics.py (attention logits
+    and softmax saturation of the first val batch; singular values, manifold violation and DGram
+    column norms of every Muon matrix) and what they cost: `eval_ms` is the loss pass alone,
+    `diagnostics_ms` the time the diagnostics added to it."""
+    t0 = time.perf_counter()
+    probe = AttentionProbe([block.attn.c_attn for block in model.blocks], args.n_head) if env.is_main else None
+    val_loss, eval_tokens = evaluate(model, stream, args, device, autocast, env, probe)
+    if probe is None:
+        return val_loss, eval_tokens, {}
+    t1 = time.perf_counter()
+    matrices = {key: [(name, p.detach()) for name, p in entries]
+                for key, entries in muon_matrices(model).items()}
+    fields = {**probe.results(), **matrix_stats(matrices, args.assignment, args.n_embd)}
+    weights_ms = 1000 * (time.perf_counter() - t1)
+    return val_loss, eval_tokens, {**fields, "eval_ms": 1000 * (t1 - t0) - probe.ms,
+                                   "diagnostics_ms": probe.ms + weights_ms}
 
 
 # ----------------------------------------------------------------------------------------
@@ -456,12 +478,26 @@ class RunLog:
         self.metrics.write(json.dumps(fields) + "\n")
         self.metrics.flush()
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in fields.items() if k != "step"}, step=fields["step"])
+            self.wandb.log(flat_metrics({k: v for k, v in fields.items() if k != "step"}), step=fields["step"])
 
     def close(self):
         self.metrics.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def flat_metrics(fields, prefix=""):
+    """Nested row fields as wandb's flat scalar keys: {"sigma_max": {"w": 1.0}, "attn_logit_max":
+    [3.0]} -> {"sigma_max/w": 1.0, "attn_logit_max/0": 3.0}."""
+    flat = {}
+    for key, value in fields.items():
+        if isinstance(value, (list, tuple)):
+            value = dict(enumerate(value))
+        if isinstance(value, dict):
+            flat.update(flat_metrics({str(k): v for k, v in value.items()}, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def keep_rows_until(path, step):
@@ -698,19 +734,23 @@ def train(args, env):
         train_loss, stop_now = loss_total / env.world_size, stops > 0
         step_ms, opt_ms = 1000 * (t1 - t0), 1000 * (t1 - t_opt)
         if log:
+            solver = muon.stats()  # this rank's share of every bank; reading it syncs the device
             log.row(step=step + 1, train_loss=train_loss, lr=lr, grad_norm=float(grad_norm),
-                    tokens_per_s=tokens_per_step / (t1 - t0), step_ms=step_ms, opt_ms=opt_ms)
+                    tokens_per_s=tokens_per_step / (t1 - t0), step_ms=step_ms, opt_ms=opt_ms,
+                    solver_iterations={bank: s["iterations"] for bank, s in solver.items()},
+                    solver_residual={bank: s["residual"] for bank, s in solver.items()})
         if (step + 1) % args.log_every == 0 or step == start_step:
             say(f"step {step + 1:6d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
                 f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_step / (t1 - t0):,.0f} tok/s",
                 flush=True)
         evaluated = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
         if evaluated and math.isfinite(train_loss):
-            val_loss, eval_tokens = evaluate(model, val_stream, args, device, autocast, env)
+            val_loss, eval_tokens, eval_fields = evaluate_and_diagnose(
+                model, val_stream, args, device, autocast, env)
             replica_diff = replica_max_abs_diff(model, env)
             if log:
                 log.row(step=step + 1, val_loss=val_loss, eval_tokens=eval_tokens,
-                        replica_max_abs_diff=replica_diff)
+                        replica_max_abs_diff=replica_diff, **eval_fields)
             say(f"step {step + 1:6d} | val loss {val_loss:.4f} ({eval_tokens:,} tokens)"
                 + (f" | replicas differ by {replica_diff:.1e}" if env.world_size > 1 else ""), flush=True)
         worst = max(train_loss, val_loss if evaluated and val_loss is not None else -math.inf)

@@ -1,0 +1,252 @@
+"""Table and figure of an ablation: one row and one curve per training run.
+
+    python bench/report.py runs/quick-20250101-120000          # a folder of run folders
+    python bench/report.py runs/a/hetero runs/b/hetero --out cmp  # any run folders
+
+A run folder is what train_gpt2.py writes (config.json, metrics.jsonl, summary.json); a folder
+without metrics.jsonl is searched one level down for run folders. Runs are listed in the
+order they started. Writes report.md and report.png to --out (default: the one folder given),
+and prints the table.
+
+Columns: final val loss (or how the run ended), steps, tokens, median tokens/s, optimizer share
+of step time (sum of opt_ms / sum of step_ms), and over all of the run's evaluations the largest
+attention logit (any layer) and the largest singular value of an attention (c_attn, its q and k
+blocks, attn.c_proj) and of an MLP (c_fc, mlp.c_proj) matrix.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from errors import UserError, run_cli  # noqa: E402
+
+COLUMNS = ("assignment", "final val loss", "steps", "tokens", "tokens/s", "optimizer share",
+           "max attn logit", "max σ attention", "max σ MLP")
+
+
+class Run:
+    """One run folder, read."""
+
+    def __init__(self, path):
+        self.path = path
+        self.config = read_json(os.path.join(path, "config.json")) or {}
+        self.summary = read_json(os.path.join(path, "summary.json"))
+        self.train, self.evals = [], []
+        with open(os.path.join(path, "metrics.jsonl")) as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    (self.evals if "val_loss" in row else self.train).append(row)
+        self.label = self.config.get("assign", os.path.basename(os.path.normpath(path)))
+
+    @property
+    def started(self):
+        config = os.path.join(self.path, "config.json")
+        return os.path.getmtime(config) if os.path.exists(config) else math.inf
+
+    @property
+    def steps(self):
+        if self.summary:
+            return self.summary["steps"]
+        return self.train[-1]["step"] if self.train else 0
+
+    @property
+    def diverged_step(self):
+        record = (self.summary or {}).get("diverged")
+        return record["step"] if record else None
+
+    def outcome(self):
+        """Final val loss, or how the run ended."""
+        if self.summary is None:
+            return f"no summary.json (running or killed) at step {self.steps}"
+        status, val = self.summary["status"], self.summary.get("final_val_loss")
+        if status == "diverged":
+            return f"diverged at step {self.diverged_step}"
+        text = f"{val:.4f}" if val is not None else "no eval"
+        if status == "interrupted":
+            return f"interrupted at step {self.steps} ({text})"
+        if self.diverged_step is not None:
+            return f"{text} (diverged at step {self.diverged_step}, continued)"
+        return text
+
+    def tokens(self):
+        if self.summary:
+            return self.summary["tokens"]
+        return self.steps * self.config.get("tokens_per_step", 0)
+
+    def median_tokens_per_s(self):
+        return statistics.median(r["tokens_per_s"] for r in self.train) if self.train else math.nan
+
+    def optimizer_share(self):
+        total = sum(r["step_ms"] for r in self.train)
+        return sum(r["opt_ms"] for r in self.train) / total if total else math.nan
+
+    def over_evals(self, key, select=lambda name: True):
+        """Per eval: the max of row[key] over the layers or matrices `select` keeps (NaN if none)."""
+        steps, values = [], []
+        for row in self.evals:
+            if key not in row:
+                continue
+            field = row[key]
+            items = field.items() if isinstance(field, dict) else enumerate(field)
+            kept = [v for name, v in items if select(str(name))]
+            steps.append(row["step"])
+            values.append(max(kept, key=nan_last) if kept else math.nan)
+        return steps, values
+
+    def run_max(self, key, select=lambda name: True):
+        _, values = self.over_evals(key, select)
+        return max(values, key=nan_last) if values else math.nan
+
+
+def nan_last(value):
+    """Sort key under which NaN/inf (a blown-up run) counts as the largest value."""
+    return math.inf if not math.isfinite(value) else value
+
+
+def is_attention(name):
+    return ".attn." in name
+
+
+def is_mlp(name):
+    return ".mlp." in name
+
+
+def read_json(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def find_runs(paths):
+    runs = []
+    for path in paths:
+        if not os.path.isdir(path):
+            raise UserError(f"{path} is not a folder")
+        if os.path.exists(os.path.join(path, "metrics.jsonl")):
+            runs.append(Run(path))
+            continue
+        found = [os.path.join(path, d) for d in sorted(os.listdir(path))
+                 if os.path.exists(os.path.join(path, d, "metrics.jsonl"))]
+        if not found:
+            raise UserError(f"{path} holds no run: neither metrics.jsonl nor a subfolder with one")
+        runs += [Run(p) for p in found]
+    runs.sort(key=lambda r: r.started)
+    labels = [r.label for r in runs]
+    for r in runs:  # the same assignment from several folders: say which folder
+        if labels.count(r.label) > 1:
+            r.label = f"{r.label} ({os.path.basename(os.path.dirname(os.path.abspath(r.path)))})"
+    return runs
+
+
+def number(value, fmt):
+    return format(value, fmt) if math.isfinite(value) else "n/a" if math.isnan(value) else str(value)
+
+
+def table(runs):
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in runs:
+        cells = [f"`{r.label}`", r.outcome(), str(r.steps), f"{r.tokens():,}",
+                 number(r.median_tokens_per_s(), ",.0f"), number(100 * r.optimizer_share(), ".0f") + "%",
+                 number(r.run_max("attn_logit_max"), ".2f"),
+                 number(r.run_max("sigma_max", is_attention), ".3f"),
+                 number(r.run_max("sigma_max", is_mlp), ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def diagnostics_cost(runs):
+    """Median over all evaluations of diagnostics_ms / eval_ms, and the median diagnostics_ms."""
+    rows = [e for r in runs for e in r.evals if e.get("eval_ms")]
+    if not rows:
+        return None
+    return (statistics.median(e["diagnostics_ms"] / e["eval_ms"] for e in rows),
+            statistics.median(e["diagnostics_ms"] for e in rows))
+
+
+def markdown(runs, figure_name):
+    out = ["# Ablation report", "", table(runs), "",
+           "Runs: " + ", ".join(f"`{r.path}`" for r in runs) + ".", "",
+           "Final val loss: the last evaluation of a completed run. Max attention logit and max σ: over "
+           "all evaluations and layers (σ attention includes the q and k blocks of the fused QKV). "
+           "tokens/s: median over steps; optimizer share: optimizer time / step time."]
+    cost = diagnostics_cost(runs)
+    if cost:
+        out += ["", f"Diagnostics cost per evaluation: median {cost[1]:.1f} ms, {100 * cost[0]:.1f}% of the "
+                   "validation-loss pass."]
+    out += ["", f"![curves]({figure_name})", ""]
+    return "\n".join(out)
+
+
+def figure(runs, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9), constrained_layout=True)
+    loss_ax, logit_ax, sigma_ax, prob_ax = axes.flat
+    # keep the loss scale readable when a run blows up: up to just above the highest first eval
+    finite = [e["val_loss"] for r in runs for e in r.evals if math.isfinite(e["val_loss"])]
+    firsts = [r.evals[0]["val_loss"] for r in runs if r.evals and math.isfinite(r.evals[0]["val_loss"])]
+    top = 1.05 * max(firsts) if firsts else None
+    for i, r in enumerate(runs):
+        color = f"C{i % 10}"
+        label = r.label + (f" (diverged at step {r.diverged_step})" if r.diverged_step else "")
+        loss_ax.plot([e["step"] for e in r.evals], [e["val_loss"] for e in r.evals], "o-", ms=3, color=color,
+                     label=label)
+        logit_ax.plot(*r.over_evals("attn_logit_max"), "o-", ms=3, color=color)
+        sigma_ax.plot(*r.over_evals("sigma_max", is_attention), "o-", ms=3, color=color)
+        sigma_ax.plot(*r.over_evals("sigma_max", is_mlp), "s--", ms=3, color=color, alpha=0.7)
+        prob_ax.plot(*r.over_evals("softmax_max_prob"), "o-", ms=3, color=color)
+        if r.diverged_step:
+            for ax in axes.flat:
+                ax.axvline(r.diverged_step, color=color, ls=":", lw=1.5)
+            if top is not None:
+                loss_ax.plot([r.diverged_step], [top], "x", color=color, ms=10, mew=2, clip_on=False)
+    if top is not None:
+        loss_ax.set_ylim(min(finite) - 0.05 * (top - min(finite)), top)
+    loss_ax.set(title="validation loss (x and dotted line: divergence)", xlabel="step", ylabel="val loss")
+    logit_ax.set(title="attention logit: max |q.k|/sqrt(d_head) over layers", xlabel="step", yscale="log")
+    sigma_ax.set(title="largest singular value: attention (solid), MLP (dashed)", xlabel="step", yscale="log")
+    prob_ax.set(title="softmax saturation: mean max probability (max over layers)", xlabel="step",
+                ylim=(0, 1.02))
+    loss_ax.legend(fontsize=8)
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    for ax in (logit_ax, sigma_ax):  # plain numbers on the log axes
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(paths, out_dir=None):
+    runs = find_runs(paths)
+    if out_dir is None:
+        if len(paths) != 1:
+            raise UserError("several folders given: say where the report goes with --out")
+        out_dir = paths[0]
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(markdown(runs, "report.png"))
+    figure(runs, os.path.join(out_dir, "report.png"))
+    return runs, out_dir
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paths", nargs="+", metavar="FOLDER", help="run folders, or folders of run folders")
+    p.add_argument("--out", default=None, help="where report.md and report.png go (default: the one FOLDER)")
+    args = p.parse_args(argv)
+    runs, out_dir = write_report(args.paths, args.out)
+    print(table(runs))
+    print(f"wrote {os.path.join(out_dir, 'report.md')} and {os.path.join(out_dir, 'report.png')}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

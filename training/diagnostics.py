@@ -1,0 +1,146 @@
+"""What an eval row shows besides the loss: the mechanism by which an assignment works or fails.
+
+MISSION.md's account of the DGram-attention instability: DGram leaves the singular values of
+W_Q and W_K free; the attention logits x W_Q W_K^T x^T / sqrt(d_head) grow with them, the softmax
+saturates to one-hot and its Jacobian vanishes. Each eval row therefore carries
+
+    attn_logit_max[l]    max |q_i . k_j| / sqrt(d_head) of layer l over one eval batch: every
+                         sequence, head and causal pair j <= i (the raw scaled dot products the
+                         softmax sees, before the mask sets the future pairs to -inf)
+    softmax_max_prob[l]  mean over sequences, heads and queries i of max_j softmax(...)_ij
+                         (1.0 = one-hot; query 0 sees only itself, so a floor of about 1/T)
+    sigma_max[name], sigma_min[name]
+                         extreme singular values of each Muon matrix (by parameter name) and of
+                         the q and k row blocks of the fused QKV matrix (`name[q]`, `name[k]`)
+    manifold_violation[name]
+                         distance of each Muon matrix from its manifold (0 for plain Muon)
+    col_norm_min[name], col_norm_max[name]
+                         DGram matrices only: extreme column norms of the tall orientation, the
+                         scales D of W = Q D that DGram leaves free (equal to its singular values)
+
+The logits come from an AttentionProbe: forward hooks on the fused QKV projections that
+recompute q k^T explicitly from the q and k the model made, while the model itself keeps
+using scaled_dot_product_attention (which never materialises the logits).
+"""
+import time
+
+import torch
+
+from manifolds import manifold_violation
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class AttentionProbe:
+    """Attention-logit statistics of one forward pass, per layer.
+
+    `qkv_projections` are the fused QKV linear layers in layer order (output (B, T, 3C), q
+    then k then v, each split into `n_head` heads). Use as a context manager around one
+    forward pass; `ms` is the time the probe itself took (device-synchronised).
+    """
+
+    # logits per chunk of sequences: at most this many floats at once (256 MB in fp32)
+    CHUNK_ELEMENTS = 1 << 26
+
+    def __init__(self, qkv_projections, n_head):
+        self.projections = list(qkv_projections)
+        self.n_head = n_head
+        self.logit_max = [None] * len(self.projections)
+        self.max_prob = [None] * len(self.projections)
+        self.handles = []
+        self.ms = 0.0
+
+    def __enter__(self):
+        self.handles = [module.register_forward_hook(self._hook(layer))
+                        for layer, module in enumerate(self.projections)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _hook(self, layer):
+        def hook(module, inputs, qkv):
+            _sync(qkv.device)
+            t0 = time.perf_counter()
+            self.logit_max[layer], self.max_prob[layer] = self.attention_stats(qkv.detach())
+            _sync(qkv.device)
+            self.ms += 1000 * (time.perf_counter() - t0)
+        return hook
+
+    @torch.no_grad()
+    def attention_stats(self, qkv):
+        """(max |logit| over causal pairs, mean over queries of the largest probability)."""
+        B, T, three_C = qkv.shape
+        C, H = three_C // 3, self.n_head
+        heads = qkv.float().view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4)  # (3, B, H, T, d_head)
+        q, k = heads[0], heads[1]
+        future = torch.ones(T, T, dtype=torch.bool, device=qkv.device).triu(1)
+        logit_max = torch.zeros((), device=qkv.device)
+        prob_sum = torch.zeros((), dtype=torch.float64, device=qkv.device)
+        rows = max(1, self.CHUNK_ELEMENTS // (H * T * T))
+        for lo in range(0, B, rows):
+            logits = q[lo:lo + rows] @ k[lo:lo + rows].mT / (C // H) ** 0.5  # (b, H, T, T)
+            logit_max = torch.maximum(logit_max, logits.abs().masked_fill(future, 0).amax())
+            probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+            prob_sum += probs.amax(dim=-1).sum(dtype=torch.float64)
+        return logit_max, prob_sum / (B * H * T)
+
+    def results(self):
+        """{"attn_logit_max": [per layer], "softmax_max_prob": [per layer]} as floats."""
+        if any(v is None for v in self.logit_max):
+            raise RuntimeError("AttentionProbe saw no forward pass through every layer")
+        return {"attn_logit_max": [float(v) for v in self.logit_max],
+                "softmax_max_prob": [float(v) for v in self.max_prob]}
+
+
+def singular_values(matrices):
+    """Singular values (ascending) of a list of same-shape matrices, as a (n, min(m, k)) tensor.
+
+    sigma(W) = sqrt(eig(W^T W)) on the tall orientation: a symmetric eigenproblem of the small
+    side, in float64 so that small singular values keep their accuracy. Non-finite matrices give NaN.
+    """
+    W = torch.stack([m.detach() for m in matrices]).double()
+    if W.size(-2) < W.size(-1):
+        W = W.mT
+    finite = torch.isfinite(W).all(dim=-1).all(dim=-1)
+    W = torch.where(finite[:, None, None], W, torch.zeros_like(W))
+    sigma = torch.linalg.eigvalsh(W.mT @ W).clamp_min(0).sqrt()
+    return torch.where(finite[:, None], sigma, torch.full_like(sigma, float("nan")))
+
+
+@torch.no_grad()
+def matrix_stats(matrices, assignment, n_embd):
+    """Singular values, manifold violation and DGram column norms of every Muon matrix.
+
+    `matrices` is {module key: [(parameter name, W), ...]} and `assignment` {module key:
+    manifold}; the fused QKV matrices (key "attn.qkv", rows q | k | v of n_embd each) also give
+    the singular values of their q and k blocks. Returns the eval-row fields named in the
+    module docstring, each a {name: float} dict.
+    """
+    pieces = []  # (name, matrix) whose singular values are reported
+    out = {"sigma_max": {}, "sigma_min": {}, "manifold_violation": {}, "col_norm_min": {}, "col_norm_max": {}}
+    for key, entries in matrices.items():
+        manifold = assignment[key]
+        for name, W in entries:
+            pieces.append((name, W))
+            if key == "attn.qkv":
+                pieces += [(f"{name}[q]", W[:n_embd]), (f"{name}[k]", W[n_embd:2 * n_embd])]
+            out["manifold_violation"][name] = manifold_violation(W, manifold)
+            if manifold == "dgram":
+                tall = W if W.size(-2) >= W.size(-1) else W.mT
+                norms = tall.detach().double().norm(dim=-2)
+                out["col_norm_min"][name], out["col_norm_max"][name] = float(norms.min()), float(norms.max())
+    by_shape, extremes = {}, {}
+    for name, W in pieces:  # one batched eigenproblem per shape
+        by_shape.setdefault(tuple(W.shape), []).append((name, W))
+    for same_shape in by_shape.values():
+        sigma = singular_values([W for _, W in same_shape]).cpu()
+        extremes.update((name, (float(s[-1]), float(s[0]))) for (name, _), s in zip(same_shape, sigma))
+    for name, _ in pieces:
+        out["sigma_max"][name], out["sigma_min"][name] = extremes[name]
+    return out
