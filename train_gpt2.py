@@ -30,10 +30,11 @@ from data.shards import ShardError, open_tokens
 from errors import UserError, run_cli
 from kernels import BACKENDS as KERNEL_BACKENDS, check_backend
 from training.checkpoints import checkpoint_path, load_checkpoint, load_newest, save_atomic, save_checkpoint
+from training.auto_assign import AutoAssign
 from training.diagnostics import AttentionProbe, matrix_stats
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
-from manifolds.assignment import MATRIX_KEYS, parse_assignment, valid_choices
+from manifolds.assignment import MATRIX_KEYS, parse_assignment, qkv_blocks, valid_choices
 
 # ----------------------------------------------------------------------------------------
 # Configuration
@@ -48,8 +49,10 @@ def parse_args(argv=None):
     a = p.add_argument_group("run")
     a.add_argument("--assign", default="hetero",
                    help="manifold per module: a preset (unconstrained, all-stiefel, all-dgram, hetero, "
-                        "hetero-inv) or key=manifold[,...] with keys attn, mlp, attn.qkv, attn.proj, "
-                        "mlp.fc, mlp.proj and manifolds stiefel, dgram, none")
+                        "hetero-inv, hetero-qk), `auto` (see --auto-*), or key=manifold[,...] with keys "
+                        "attn, mlp, attn.qkv, attn.proj, mlp.fc, mlp.proj and the QKV row blocks attn.q, "
+                        "attn.k, attn.v, attn.qk (naming one splits the fused QKV into three matrices), and "
+                        "manifolds stiefel, dgram, dgram-cap, none")
     a.add_argument("--data-dir", default="data/openwebtext",
                    help="folder with *train*.bin and *val*.bin token shards (data/prepare.py writes them)")
     a.add_argument("--out-dir", default="runs/default",
@@ -66,6 +69,20 @@ def parse_args(argv=None):
                    help="Weights & Biases logging; offline writes a local run that `wandb sync` uploads")
     a.add_argument("--wandb-project", default="manifold-muon-gpt2", help="wandb project name")
     a.add_argument("--run-name", default=None, help="wandb run name (default: the out-dir name)")
+    a.add_argument("--dgram-cap", type=float, default=1.0,
+                   help="column-norm cap C of the dgram-cap manifold (singular values <= C; C = 1 bounds "
+                        "attention logits as Stiefel does while letting columns shrink)")
+    u = p.add_argument_group("automatic assignment (--assign auto)")
+    u.add_argument("--auto-base", default="all-dgram",
+                   help="the assignment every block starts from (a preset or key=manifold spec)")
+    u.add_argument("--auto-logit-max", type=float, default=10.0,
+                   help="switch a block's attention to Stiefel when its max |q.k|/sqrt(d_head) at an eval "
+                        "exceeds this (0 = off)")
+    u.add_argument("--auto-saturation", type=float, default=0.5,
+                   help="... or its mean largest softmax probability exceeds this (0 = off)")
+    u.add_argument("--auto-sigma-growth", type=float, default=4.0,
+                   help="... or the largest singular value of its attention matrices has grown this many "
+                        "times since the first eval (0 = off)")
     m = p.add_argument_group("model (GPT-2 small by default)")
     m.add_argument("--n-layer", type=int, default=12, help="transformer blocks")
     m.add_argument("--n-head", type=int, default=12, help="attention heads")
@@ -133,7 +150,17 @@ def validate_args(args):
         raise UserError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if args.vocab_size > 2**16:
         raise UserError(f"--vocab-size {args.vocab_size} exceeds what uint16 token shards can hold")
-    args.assignment = parse_assignment(args.assign)
+    if not args.dgram_cap > 0:
+        raise UserError(f"--dgram-cap must be positive, got {args.dgram_cap}")
+    for name in ("auto_logit_max", "auto_saturation", "auto_sigma_growth"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be non-negative (0 = off), got {getattr(args, name)}")
+    if args.assign.strip() == "auto":
+        if args.auto_base.strip() == "auto":
+            raise UserError("--auto-base must be a preset or key=manifold spec, not auto")
+        args.assignment = parse_assignment(args.auto_base)
+    else:
+        args.assignment = parse_assignment(args.assign)
 
 
 # ----------------------------------------------------------------------------------------
@@ -367,21 +394,67 @@ def muon_matrices(model):
 # Optimizers: ManifoldMuon for the block matrices, AdamW for everything else
 
 
-def build_optimizers(model, args, device):
-    matrices = muon_matrices(model)
-    muon_ids = {id(p) for entries in matrices.values() for _, p in entries}
-    muon_groups = []
-    with torch.no_grad():
-        for key, entries in matrices.items():
-            manifold = args.assignment[key]
-            for _, p in entries:  # initialisation: project the GPT-2 init onto the manifold
-                if manifold != "none":
-                    p.copy_(project_to_manifold(p, manifold))
-            muon_groups.append({"params": [p for _, p in entries], "manifold": manifold,
-                                "name": f"{key}={manifold}"})
-    muon = ManifoldMuon(muon_groups, lr=args.muon_lr, momentum=args.momentum, nesterov=True,
-                        weight_decay=args.weight_decay, solver=args.solver,
-                        dual_steps=args.dual_steps, admm_steps=args.admm_steps, backend=args.kernels)
+def layer_of(name):
+    return int(name.split(".")[1])  # "blocks.<layer>.attn.c_attn.weight"
+
+
+def matrix_plan(model, assignments):
+    """[(name, parameter, key, [(label, row_lo, row_hi, manifold), ...])] for every Muon matrix.
+
+    `assignments[layer]` is that block's {key: manifold} (parse_assignment's form). A fused QKV
+    matrix whose assignment splits it gives three pieces, labelled name[q], name[k], name[v]."""
+    plan = []
+    for key, entries in muon_matrices(model).items():
+        for name, p in entries:
+            assignment = assignments[layer_of(name)]
+            blocks = qkv_blocks(assignment) if key == "attn.qkv" else None
+            if blocks is None:
+                pieces = [(name, 0, p.size(0), assignment[key])]
+            else:
+                rows = p.size(0) // 3
+                pieces = [(f"{name}[{block[-1]}]", i * rows, (i + 1) * rows, manifold)
+                          for i, (block, manifold) in enumerate(blocks)]
+            plan.append((name, p, key, pieces))
+    return plan
+
+
+def layer_assignments(args, auto):
+    return [auto.layer_assignment(args.assignment, layer) if auto else dict(args.assignment)
+            for layer in range(args.n_layer)]
+
+
+def muon_groups(plan):
+    """ManifoldMuon groups: one per module key and layout of manifolds (same-layout matrices of
+    all layers together), each named after its layout, e.g. "attn.qkv=q:stiefel|k:stiefel|v:dgram"."""
+    groups = {}
+    for _, p, key, pieces in plan:
+        if len(pieces) == 1:
+            layout, extra = f"{key}={pieces[0][3]}", {"manifold": pieces[0][3]}
+        else:
+            layout = f"{key}=" + "|".join(f"{label[-2]}:{m}" for label, _, _, m in pieces)
+            extra = {"blocks": [(lo, hi, m) for _, lo, hi, m in pieces]}
+        groups.setdefault(layout, {"params": [], "name": layout, **extra})["params"].append(p)
+    return list(groups.values())
+
+
+@torch.no_grad()
+def project_plan(plan, args, only=None):
+    """Project Muon matrices (all, or those named in `only`) onto their manifolds (exact SVD polar)."""
+    for name, p, _, pieces in plan:
+        if only is not None and name not in only:
+            continue
+        for _, lo, hi, manifold in pieces:
+            if manifold != "none":
+                p[lo:hi] = project_to_manifold(p[lo:hi], manifold, args.dgram_cap)
+
+
+def build_optimizers(model, args, device, auto=None):
+    plan = matrix_plan(model, layer_assignments(args, auto))
+    muon_ids = {id(p) for _, p, _, _ in plan}
+    project_plan(plan, args)  # initialisation: project the GPT-2 init onto the manifolds
+    muon = ManifoldMuon(muon_groups(plan), lr=args.muon_lr, momentum=args.momentum, nesterov=True,
+                        weight_decay=args.weight_decay, solver=args.solver, dual_steps=args.dual_steps,
+                        admm_steps=args.admm_steps, backend=args.kernels, dgram_cap=args.dgram_cap)
     rest = [p for p in model.parameters() if id(p) not in muon_ids]
     adamw_groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
                     {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
@@ -398,13 +471,13 @@ def lr_at(step, args):
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - args.min_lr)
 
 
-def max_violations(model, assignment):
-    """{manifold: max violation over the Muon matrices assigned to it}."""
+def max_violations(plan, args):
+    """{manifold: max violation over the Muon matrices (or row blocks) assigned to it}."""
     out = {}
-    for key, entries in muon_matrices(model).items():
-        manifold = assignment[key]
-        for _, p in entries:
-            out[manifold] = max(out.get(manifold, 0.0), manifold_violation(p.detach(), manifold))
+    for _, p, _, pieces in plan:
+        for _, lo, hi, manifold in pieces:
+            violation = manifold_violation(p.detach()[lo:hi], manifold, args.dgram_cap)
+            out[manifold] = max(out.get(manifold, 0.0), violation)
     return out
 
 
@@ -436,7 +509,7 @@ def evaluate(model, stream, args, device, autocast, env=DistEnv(), probe=None):
     return total / count, windows * args.seq_len
 
 
-def evaluate_and_diagnose(model, stream, args, device, autocast, env=DistEnv()):
+def evaluate_and_diagnose(model, plan, stream, args, device, autocast, env=DistEnv()):
     """evaluate(), plus on rank 0 the diagnostics of training/diagnostics.py (attention logits
     and softmax saturation of the first val batch; singular values, manifold violation and DGram
     column norms of every Muon matrix) and what they cost: `eval_ms` is the loss pass alone,
@@ -447,9 +520,7 @@ def evaluate_and_diagnose(model, stream, args, device, autocast, env=DistEnv()):
     if probe is None:
         return val_loss, eval_tokens, {}
     t1 = time.perf_counter()
-    matrices = {key: [(name, p.detach()) for name, p in entries]
-                for key, entries in muon_matrices(model).items()}
-    fields = {**probe.results(), **matrix_stats(matrices, args.assignment, args.n_embd)}
+    fields = {**probe.results(), **matrix_stats(plan, args.dgram_cap)}
     weights_ms = 1000 * (time.perf_counter() - t1)
     return val_loss, eval_tokens, {**fields, "eval_ms": 1000 * (t1 - t0) - probe.ms,
                                    "diagnostics_ms": probe.ms + weights_ms}
@@ -548,7 +619,7 @@ def communication_bytes_per_step(model, muon, env):
     if n == 1:
         return 0
     grads = 4 * sum(p.numel() for p in model.parameters())
-    banks = 4 * sum(muon.share(len(ps))[2] * n * ps[0].numel() for _, ps in muon.banks())
+    banks = 4 * muon.all_gather_elements()
     return int(2 * (n - 1) / n * grads + (n - 1) / n * banks)
 
 
@@ -622,7 +693,8 @@ def checkpoint_payload(step, model, adamw, muon_state, losses, args):
 
 def restore(payload, model, adamw, muon, args):
     saved = payload["args"]
-    changed = [k for k in SHAPE_ARGS if saved.get(k) != getattr(args, k)]
+    shape_args = SHAPE_ARGS + (("auto_base",) if args.assign.strip() == "auto" else ())
+    changed = [k for k in shape_args if saved.get(k) != getattr(args, k)]
     if changed:
         raise UserError("cannot resume: the checkpoint was written with a different "
                         + ", ".join(f"--{k.replace('_', '-')} ({saved.get(k)} there, {getattr(args, k)} now)"
@@ -635,11 +707,34 @@ def restore(payload, model, adamw, muon, args):
         torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
 
 
-def diagnostics(model, args, train_loss, lr, grad_norm):
+def diagnostics(model, plan, args, train_loss, lr, grad_norm):
     """What a post-mortem of a diverged run needs first."""
     return {"train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
             "param_max_abs": max(float(p.detach().abs().max()) for p in model.parameters()),
-            "max_manifold_violation": max_violations(model, args.assignment)}
+            "max_manifold_violation": max_violations(plan, args)}
+
+
+def auto_switch(step, fields, auto, model, muon, args, env):
+    """--assign auto at an eval: rank 0 decides from its diagnostics, every rank applies the
+    switches: Stiefel attention for those layers (weights projected, dual state reset, momentum
+    kept). Returns the new switches."""
+    new = auto.decide(step, fields) if env.is_main else None
+    if env.world_size > 1:
+        box = [new]
+        dist.broadcast_object_list(box, src=0)
+        new = box[0]
+    if not new:
+        return []
+    auto.apply(new)
+    plan = matrix_plan(model, layer_assignments(args, auto))
+    switched = {name for name, *_ in plan if layer_of(name) in {s["layer"] for s in new}}
+    project_plan(plan, args, only=switched)
+    if env.world_size > 1:  # bitwise-equal replicas whatever the SVD does on each rank
+        for name, p, *_ in plan:
+            if name in switched:
+                dist.broadcast(p.data, src=0)
+    muon.reassign(muon_groups(plan))
+    return new
 
 
 def train(args, env):
@@ -661,7 +756,13 @@ def train(args, env):
     torch.manual_seed(args.seed)  # the same initialisation on every rank
     cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size)
     model = GPT(cfg).to(device)
-    muon, adamw = build_optimizers(model, args, device)
+    auto = None
+    if args.assign.strip() == "auto":
+        auto = AutoAssign(args.n_layer, args.auto_logit_max, args.auto_saturation, args.auto_sigma_growth)
+        if payload is not None:  # the switches taken so far shape the optimizer's groups
+            auto.load_state_dict(payload["auto"])
+    muon, adamw = build_optimizers(model, args, device, auto)
+    plan = matrix_plan(model, layer_assignments(args, auto))
     start_step, best_val, val_loss, train_loss = 0, math.inf, None, None
     if payload is not None:
         restore(payload, model, adamw, muon, args)
@@ -693,6 +794,8 @@ def train(args, env):
         if env.is_main:
             losses = {"best_val_loss": best_val, "val_loss": val_loss, "train_loss": train_loss}
             state = checkpoint_payload(step, model, adamw, muon_state, losses, args)
+            if auto is not None:
+                state["auto"] = auto.state_dict()
             if prefix == "ckpt":
                 save_checkpoint(state, args.out_dir, step, args.keep_ckpts)
             else:
@@ -746,16 +849,23 @@ def train(args, env):
         evaluated = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
         if evaluated and math.isfinite(train_loss):
             val_loss, eval_tokens, eval_fields = evaluate_and_diagnose(
-                model, val_stream, args, device, autocast, env)
+                model, plan, val_stream, args, device, autocast, env)
             replica_diff = replica_max_abs_diff(model, env)
             if log:
                 log.row(step=step + 1, val_loss=val_loss, eval_tokens=eval_tokens,
                         replica_max_abs_diff=replica_diff, **eval_fields)
             say(f"step {step + 1:6d} | val loss {val_loss:.4f} ({eval_tokens:,} tokens)"
                 + (f" | replicas differ by {replica_diff:.1e}" if env.world_size > 1 else ""), flush=True)
+            if auto is not None:
+                for switch in auto_switch(step + 1, eval_fields, auto, model, muon, args, env):
+                    say(f"step {step + 1:6d} | auto: layer {switch['layer']} attention -> stiefel "
+                        f"({switch['reason']})", flush=True)
+                    if log:
+                        log.row(**switch, event="auto_switch")
+                plan = matrix_plan(model, layer_assignments(args, auto))
         worst = max(train_loss, val_loss if evaluated and val_loss is not None else -math.inf)
         if diverged is None and (not math.isfinite(worst) or worst > args.diverge_factor * best_val):
-            diverged = {"step": step + 1, **diagnostics(model, args, train_loss, lr, float(grad_norm))}
+            diverged = {"step": step + 1, **diagnostics(model, plan, args, train_loss, lr, float(grad_norm))}
             say(f"step {step + 1}: diverged (loss {worst:.4g}, best val {best_val:.4g}); "
                 f"post-mortem checkpoint diverged_{step + 1:08d}.pt", file=sys.stderr, flush=True)
             checkpoint(step + 1, prefix="diverged")
@@ -778,9 +888,11 @@ def train(args, env):
         checkpoint(steps_done)  # the final weights, and a resumable end state
     summary = {"status": status, "steps": steps_done, "tokens": steps_done * tokens_per_step,
                "final_val_loss": val_loss, "final_train_loss": train_loss,
-               "max_manifold_violation": max_violations(model, args.assignment),
+               "max_manifold_violation": max_violations(plan, args),
                "world_size": env.world_size, "replica_max_abs_diff": replica_max_abs_diff(model, env),
                "diverged": diverged, "wall_s": time.time() - start}
+    if auto is not None:
+        summary["auto_switches"] = auto.switches
     if log:
         write_json(os.path.join(args.out_dir, "summary.json"), summary)
         log.close()

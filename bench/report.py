@@ -41,6 +41,7 @@ class Run:
                     row = json.loads(line)
                     (self.evals if "val_loss" in row else self.train).append(row)
         self.label = self.config.get("assign", os.path.basename(os.path.normpath(path)))
+        self.assign = self.label  # the label may gain the folder name; this stays the assignment
 
     @property
     def started(self):
@@ -69,8 +70,22 @@ class Run:
         if status == "interrupted":
             return f"interrupted at step {self.steps} ({text})"
         if self.diverged_step is not None:
-            return f"{text} (diverged at step {self.diverged_step}, continued)"
+            text = f"{text} (diverged at step {self.diverged_step}, continued)"
+        switches = self.summary.get("auto_switches")
+        if switches:
+            text += " (auto: " + ", ".join(f"layer {s['layer']} at step {s['step']}" for s in switches) + ")"
         return text
+
+    def final_val(self):
+        """The final val loss of a completed run, else NaN."""
+        if not self.summary or self.summary["status"] != "completed" or self.summary.get("final_val_loss") is None:
+            return math.nan
+        return self.summary["final_val_loss"]
+
+    def last_eval(self, key):
+        """The max over layers of row[key] at the last evaluation (NaN if none)."""
+        _, values = self.over_evals(key)
+        return values[-1] if values else math.nan
 
     def tokens(self):
         if self.summary:
@@ -159,6 +174,32 @@ def table(runs):
     return "\n".join(lines)
 
 
+SEED_COLUMNS = ("assignment", "runs", "final val loss: mean ± sd", "min – max", "diverged",
+                "max attn logit (median)", "final softmax max prob (median)")
+
+
+def seed_table(runs):
+    """One row per assignment over its runs (seeds), in first-seen order; None if none repeats."""
+    by_assign = {}
+    for r in runs:
+        by_assign.setdefault(r.assign, []).append(r)
+    if all(len(group) == 1 for group in by_assign.values()):
+        return None
+    lines = ["| " + " | ".join(SEED_COLUMNS) + " |", "|" + "---|" * len(SEED_COLUMNS)]
+    for assign, group in by_assign.items():
+        finals = [v for v in (r.final_val() for r in group) if math.isfinite(v)]
+        mean = statistics.mean(finals) if finals else math.nan
+        sd = statistics.stdev(finals) if len(finals) > 1 else math.nan
+        spread = f"{min(finals):.4f} – {max(finals):.4f}" if finals else "n/a"
+        diverged = sum(1 for r in group if r.diverged_step is not None)
+        cells = [f"`{assign}`", str(len(group)), f"{number(mean, '.4f')} ± {number(sd, '.4f')}", spread,
+                 f"{diverged}/{len(group)}",
+                 number(statistics.median(r.run_max("attn_logit_max") for r in group), ".1f"),
+                 number(statistics.median(r.last_eval("softmax_max_prob") for r in group), ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def diagnostics_cost(runs):
     """Median over all evaluations of diagnostics_ms / eval_ms, and the median diagnostics_ms."""
     rows = [e for r in runs for e in r.evals if e.get("eval_ms")]
@@ -169,7 +210,11 @@ def diagnostics_cost(runs):
 
 
 def markdown(runs, figure_name):
-    out = ["# Ablation report", "", table(runs), "",
+    seeds = seed_table(runs)
+    out = ["# Ablation report", ""]
+    if seeds:
+        out += ["Over seeds (runs of the same assignment):", "", seeds, "", "Each run:", ""]
+    out += [table(runs), "",
            "Runs: " + ", ".join(f"`{r.path}`" for r in runs) + ".", "",
            "Final val loss: the last evaluation of a completed run. Max attention logit and max σ: over "
            "all evaluations and layers (σ attention includes the q and k blocks of the fused QKV). "
@@ -194,9 +239,19 @@ def figure(runs, path):
     finite = [e["val_loss"] for r in runs for e in r.evals if math.isfinite(e["val_loss"])]
     firsts = [r.evals[0]["val_loss"] for r in runs if r.evals and math.isfinite(r.evals[0]["val_loss"])]
     top = 1.05 * max(firsts) if firsts else None
-    for i, r in enumerate(runs):
-        color = f"C{i % 10}"
-        label = r.label + (f" (diverged at step {r.diverged_step})" if r.diverged_step else "")
+    colors = {}  # one color per assignment: its seeds share it
+    for r in runs:
+        colors.setdefault(r.assign, f"C{len(colors) % 10}")
+    labelled = set()
+    for r in runs:
+        color = colors[r.assign]
+        if r.diverged_step:
+            label = f"{r.label} (diverged at step {r.diverged_step})"
+        elif r.assign in labelled:
+            label = None
+        else:
+            label = r.assign
+        labelled.add(r.assign)
         loss_ax.plot([e["step"] for e in r.evals], [e["val_loss"] for e in r.evals], "o-", ms=3, color=color,
                      label=label)
         logit_ax.plot(*r.over_evals("attn_logit_max"), "o-", ms=3, color=color)
@@ -244,7 +299,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="where report.md and report.png go (default: the one FOLDER)")
     args = p.parse_args(argv)
     runs, out_dir = write_report(args.paths, args.out)
-    print(table(runs))
+    print(seed_table(runs) or table(runs))
     print(f"wrote {os.path.join(out_dir, 'report.md')} and {os.path.join(out_dir, 'report.png')}")
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 
 import kernels
-from manifolds.geometry import MANIFOLDS
+from manifolds.geometry import geometry
 from manifolds.span import span_admm, top_eigenvalue
 
 
@@ -51,6 +51,7 @@ class SolverOptions:
     check_every: int = 2        # iterations between convergence checks (host syncs)
     norm_iters: int = 8         # power iterations for the final spectral renormalisation
     backend: str = "auto"       # kernels: "triton" (fused kernels), "torch", or "auto" (triton on CUDA)
+    dgram_cap: float = 1.0      # the column-norm cap C of the "dgram-cap" manifold
 
     @classmethod
     def from_kwargs(cls, **kwargs):
@@ -131,7 +132,7 @@ def dual_ascent(W, G, geo, correction, opts):
     # tangent projection of G (exact for square Stiefel). The warm start is the correction
     # Lambda* - Lambda0 of the previous step: it changes slowly with the momentum, where
     # Lambda0 itself follows G.
-    Lambda0 = kernels.preconditioned(W, G, geo.name, d2, -0.5, opts.backend)
+    Lambda0 = geo.preconditioned(W, G, d2, -0.5, opts.backend)
     Lambda = Lambda0 if correction is None else Lambda0 + correction
     batch = W.shape[:-2]
     active = torch.ones(batch, dtype=torch.bool, device=W.device)
@@ -141,7 +142,7 @@ def dual_ascent(W, G, geo, correction, opts):
         X = kernels.matmul_add(W, Lambda, G, alpha=2.0, backend=opts.backend)  # G + 2 W Lambda
         A = kernels.msign(X, opts.msign_steps, opts.polish_steps, opts.backend)
         # dual gradient H = P(W^T A + A^T W) and ||H||_F^2, in one pass
-        H, sumsq = kernels.tangent_residual(W, A, geo.name, opts.backend, with_norm=True)
+        H, sumsq = geo.tangent_residual(W, A, opts.backend, with_norm=True)
         residual = relative_residual(W, sumsq)
         active = active & (residual > opts.tol)
         if k == opts.dual_steps or (k % opts.check_every == 0 and not bool(active.any())):
@@ -153,7 +154,7 @@ def dual_ascent(W, G, geo, correction, opts):
         # M = sym(A^T X) = (X^T X)^(1/2): larger singular values tolerate larger steps
         M = kernels.symmetric_part(A, X, opts.backend)
         # Lambda <- Lambda - step P(sym(H M)) / (2 (d_i^2 + d_j^2)); a zero step freezes finished matrices
-        Lambda = kernels.dual_update(Lambda, H, M, geo.name, d2, step_size * active, opts.backend)
+        Lambda = geo.dual_update(Lambda, H, M, d2, step_size * active, opts.backend)
     # The loop's A only needs to be accurate enough to steer Lambda; the answer gets a
     # tighter polish (Newton-Schulz from singular values already near 1 converges in two).
     A = kernels.orthonormalize_near(A, steps=2, backend=opts.backend)
@@ -163,10 +164,13 @@ def dual_ascent(W, G, geo, correction, opts):
 def admm(W, G, geo, warm, opts):
     d2 = geo.squared_norms(W)
     if opts.reduce and W.size(-2) >= 2 * W.size(-1):
-        # tall banks: the same iteration in span[W, G] coefficients, O(q^3) per iteration
-        B, Z, iterations = span_admm(W, G, geo, opts)
-        _, sumsq = kernels.tangent_residual(W, Z, geo.name, opts.backend, with_norm=True)
-        return Solution(finalize(W, B, geo, d2, opts), None, relative_residual(W, sumsq), iterations)
+        # tall banks: the same iteration in span[W, G] coefficients, O(q^3) per iteration,
+        # unless the coefficients lost precision for some matrix (one host sync per bank)
+        B, Z, iterations, valid = span_admm(W, G, geo, opts)
+        if bool(valid.all()):
+            _, sumsq = geo.tangent_residual(W, Z, opts.backend, with_norm=True)
+            return Solution(finalize(W, B, geo, d2, opts), None, relative_residual(W, sumsq), iterations)
+        warm = None  # the span iteration keeps no warm start
     GT = geo.tangent_projection(W, G, d2, opts.backend)
     # The penalty scale: rho ~ ||Proj_T G||_op balances G / rho against the unit ball for
     # both flat and spiky spectra (momentum gradients have a few dominant singular values).
@@ -194,7 +198,7 @@ def admm(W, G, geo, warm, opts):
         if (k + 1) % opts.check_every == 0 and not bool(active.any()):
             break
     B = geo.tangent_projection(W, Z - U + G / rho, d2, opts.backend)
-    _, sumsq = kernels.tangent_residual(W, Z, geo.name, opts.backend, with_norm=True)
+    _, sumsq = geo.tangent_residual(W, Z, opts.backend, with_norm=True)
     residual = relative_residual(W, sumsq)
     return Solution(finalize(W, B, geo, d2, opts), torch.stack([Z, rho * U], dim=-3), residual, k + 1)
 
@@ -202,18 +206,42 @@ def admm(W, G, geo, warm, opts):
 def solve_tall(W, G, manifold, state=None, opts=None):
     """Solve on the tall orientation (W, G: (..., p, q), p >= q). G need not be normalised."""
     opts = opts or SolverOptions()
-    geo = MANIFOLDS[manifold]
+    geo = geometry(manifold, opts)
     G = G / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
     if manifold == "none":
         A = kernels.msign(G, opts.msign_steps, opts.polish_steps, opts.backend)
         zero = torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device)
         return Solution(A, None, zero, 0)
     solver = choose_solver(W.shape, manifold) if opts.solver == "auto" else opts.solver
-    if solver == "dual":
-        return dual_ascent(W, G, geo, state, opts)
-    if solver == "admm":
-        return admm(W, G, geo, state, opts)
-    raise ValueError(f"unknown solver {solver!r}; valid: auto, dual, admm")
+    if solver not in ("dual", "admm"):
+        raise ValueError(f"unknown solver {solver!r}; valid: auto, dual, admm")
+    solve = dual_ascent if solver == "dual" else admm
+    solution = solve(W, G, geo, state, opts)
+    if manifold == "dgram-cap":
+        solution = solve_capped(W, G, geo, state, opts, solve, solution)
+    return solution
+
+
+def solve_capped(W, G, geo, state, opts, solve, solution, rounds=3):
+    """The tangent cone of dgram-cap by an active set (geometry.DGramCap).
+
+    The first solve is DGram's. A column at the cap whose direction would grow it (the
+    step is W - eta A, so (W^T A)_ii < 0) is pinned ((W^T A)_ii = 0) and the bank solved
+    again; pinning can make other capped columns grow, hence a few rounds. The set only
+    grows within a step and is rebuilt from scratch at the next one. One host sync per round,
+    and none when no column is at the cap.
+    """
+    at_cap = geo.at_cap(W)
+    if not bool(at_cap.any()):
+        return solution
+    pinned = torch.zeros_like(at_cap)
+    for _ in range(rounds):
+        growing = at_cap & ~pinned & (torch.diagonal(W.mT @ solution.A, dim1=-2, dim2=-1) < 0)
+        if not bool(growing.any()):
+            break
+        pinned = pinned | growing
+        solution = solve(W, G, geo.pin(pinned), state, opts)
+    return solution
 
 
 def steepest_direction(W, G, manifold, **solver_opts):

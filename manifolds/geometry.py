@@ -6,6 +6,8 @@ symmetric q x q matrices) and by the squared column norms d^2 that scale its tan
 
     Stiefel  P = identity       {W : W^T W = I}              d = 1
     DGram    P = Off (zero diag) {W : Off(W^T W) = 0} = {Q D}  d = column norms of W
+    DGram-cap  DGram with column norms d_i <= C                    d = column norms of W
+               (a manifold with boundary; see DGramCap for its tangent cone at the cap)
     none     no constraint (plain Muon)
 
 The tangent space at W is {A : P(W^T A + A^T W) = 0}. On the manifold W^T W = D^2, so
@@ -50,9 +52,16 @@ class Manifold:
         """(d_i^2 + d_j^2) as a (..., q, q) tensor: the Gram-space metric at W."""
         return pair_scale(self.squared_norms(W))
 
-    def tangent_residual(self, W, A, backend="auto"):
-        """H = P(W^T A + A^T W): zero exactly when A is tangent at W."""
-        return kernels.tangent_residual(W, A, self.name, backend)
+    # The Gram-space operations the solvers use, each one fused kernel call (kernels/tangent.py)
+    kernel_name = None  # the projector P as the kernels know it: "stiefel", "dgram" or "none"
+
+    def tangent_residual(self, W, A, backend="auto", with_norm=False):
+        """H = P(W^T A + A^T W): zero exactly when A is tangent at W (with_norm: and ||H||_F^2)."""
+        return kernels.tangent_residual(W, A, self.kernel_name, backend, with_norm)
+
+    def preconditioned(self, W, A, d2, alpha=1.0, backend="auto"):
+        """alpha P(W^T A + A^T W) / (d_i^2 + d_j^2)."""
+        return kernels.preconditioned(W, A, self.kernel_name, d2, alpha, backend)
 
     def tangent_projection(self, W, A, d2=None, backend="auto"):
         """Euclidean projection of A onto the tangent space at W (W on the manifold).
@@ -60,7 +69,11 @@ class Manifold:
         A_T = A - W M with M_ij = H_ij / (d_i^2 + d_j^2), which makes P(W^T A_T + A_T^T W) = 0.
         """
         d2 = self.squared_norms(W) if d2 is None else d2
-        return kernels.tangent_projection(W, A, self.name, d2, backend)
+        return kernels.tangent_projection(W, A, self.kernel_name, d2, backend)
+
+    def dual_update(self, Lambda, H, M, d2, step, backend="auto"):
+        """Lambda - step P(sym(H M)) / (2 (d_i^2 + d_j^2))."""
+        return kernels.dual_update(Lambda, H, M, self.kernel_name, d2, step, backend)
 
     def retract(self, X, near=True, backend="auto"):
         """Map X back onto the manifold; near=True assumes X is already close to it."""
@@ -72,7 +85,7 @@ class Manifold:
 
 
 class Stiefel(Manifold):
-    name = "stiefel"
+    name = kernel_name = "stiefel"
 
     def gram_projector(self, S):
         return S
@@ -89,7 +102,7 @@ class Stiefel(Manifold):
 
 
 class DGram(Manifold):
-    name = "dgram"
+    name = kernel_name = "dgram"
 
     def gram_projector(self, S):
         return off_diagonal(S)
@@ -114,7 +127,7 @@ class DGram(Manifold):
 
 
 class Unconstrained(Manifold):
-    name = "none"
+    name = kernel_name = "none"
 
     def gram_projector(self, S):
         return torch.zeros_like(S)
@@ -126,4 +139,87 @@ class Unconstrained(Manifold):
         return torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device)
 
 
-MANIFOLDS = {m.name: m for m in (Stiefel(), DGram(), Unconstrained())}
+class DGramCap(DGram):
+    """DGram with every column norm capped: {Q D : Q^T Q = I, 0 < d_i <= C}.
+
+    Singular values are the column norms, so ||W||_op <= C: in attention the logit gain of
+    W_Q W_K^T is bounded by C^2, which is what DGram attention lacks (MISSION.md).
+
+    Retraction: R(X) = msign(X N^-1) min(N, C): DGram's retraction with the norms clipped.
+    Below the cap it equals DGram's (R(W) = W on the set), so W stays a fixed point.
+
+    The set has a boundary, so at W its tangent *cone* is {A : Off(W^T A + A^T W) = 0, and
+    (W^T A)_ii >= 0 for each column at the cap} (the step is W - eta A, and the norm of
+    column i changes at first order by -2 eta (W^T A)_ii). The solver handles the cone by an
+    active set: columns at the cap whose DGram direction would grow them are pinned,
+    (W^T A)_ii = 0, which makes the Gram projector P keep those diagonal entries: the same
+    Gram-space identity (d_i^2 + d_j^2) M_ij then projects exactly. `pinned` is that set,
+    one bool per column (..., q); `pin` returns the geometry with it.
+    """
+    name = "dgram-cap"
+
+    def __init__(self, cap=1.0, pinned=None):
+        if not cap > 0:
+            raise ValueError(f"the DGram cap must be positive; got {cap}")
+        self.cap = float(cap)
+        self.pinned = pinned
+
+    def pin(self, pinned):
+        return DGramCap(self.cap, pinned)
+
+    def at_cap(self, W, rtol=1e-4):
+        """Columns whose norm is at the cap (retraction leaves them at C up to rounding)."""
+        return self.squared_norms(W).sqrt() >= self.cap * (1 - rtol)
+
+    def gram_projector(self, S):
+        if self.pinned is None:
+            return off_diagonal(S)
+        return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1) * ~self.pinned)
+
+    def _keep_pinned_diagonal(self, full):
+        # a full symmetric result (Stiefel's P) with the diagonal of unpinned columns zeroed
+        return self.gram_projector(full)
+
+    def tangent_residual(self, W, A, backend="auto", with_norm=False):
+        if self.pinned is None:
+            return super().tangent_residual(W, A, backend, with_norm)
+        H = self._keep_pinned_diagonal(kernels.tangent_residual(W, A, "stiefel", backend))
+        return (H, H.square().sum(dim=(-2, -1))) if with_norm else H
+
+    def preconditioned(self, W, A, d2, alpha=1.0, backend="auto"):
+        if self.pinned is None:
+            return super().preconditioned(W, A, d2, alpha, backend)
+        return self._keep_pinned_diagonal(kernels.preconditioned(W, A, "stiefel", d2, alpha, backend))
+
+    def tangent_projection(self, W, A, d2=None, backend="auto"):
+        if self.pinned is None:
+            return super().tangent_projection(W, A, d2, backend)
+        d2 = self.squared_norms(W) if d2 is None else d2
+        return kernels.matmul_add(W, self.preconditioned(W, A, d2, 1.0, backend), A, alpha=-1.0, backend=backend)
+
+    def dual_update(self, Lambda, H, M, d2, step, backend="auto"):
+        if self.pinned is None:
+            return super().dual_update(Lambda, H, M, d2, step, backend)
+        return self._keep_pinned_diagonal(kernels.dual_update(Lambda, H, M, "stiefel", d2, step, backend))
+
+    def retract(self, X, near=True, backend="auto"):
+        norms = X.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny ** 0.5)
+        unit = X / norms
+        Q = kernels.orthonormalize_near(unit, backend=backend) if near else polar_svd(unit)
+        return Q * norms.clamp_max(self.cap)
+
+    def violation(self, W):
+        # DGram's violation, or the relative excess of a column norm over the cap if larger
+        excess = (self.squared_norms(W).sqrt().amax(dim=-1) / self.cap - 1).clamp_min(0)
+        return torch.maximum(super().violation(W), excess)
+
+
+MANIFOLDS = {m.name: m for m in (Stiefel(), DGram(), DGramCap(), Unconstrained())}
+
+
+def geometry(name, opts=None):
+    """The manifold object for a name; `opts` (SolverOptions or a group dict) sets the DGram cap."""
+    if name == "dgram-cap" and opts is not None:
+        cap = opts["dgram_cap"] if isinstance(opts, dict) else opts.dgram_cap
+        return DGramCap(cap)
+    return MANIFOLDS[name]

@@ -10,24 +10,52 @@ One step, for every parameter W with gradient g (group options lr = eta, momentu
 `lr` is the spectral norm of the step on every group: no extra shape factor. Weight decay
 applies to the unconstrained group only (a manifold fixes or frees the scale by itself).
 
-Parameters of the same shape in a group form a *bank* and are stacked into one batched
-computation. Under torch.distributed each rank computes the step for its contiguous share
+The unit of work is a *piece*: a whole parameter, or a block of its rows when its group
+gives `"blocks": [(row_lo, row_hi, manifold), ...]` (the fused QKV matrix as three q | k | v
+matrices, each on its own manifold). Pieces with the same manifold, shape and solver options
+form a *bank*, across groups, and are stacked into one batched computation; the learning
+rate and weight decay may differ inside a bank (they enter per matrix). Under torch.distributed each rank computes the step for its contiguous share
 of every bank (ceil(n / world) matrices; the last shares may be short or empty) and the new
 weights are exchanged with one all-gather per bank, started asynchronously so that the
-exchange of one bank overlaps the computation of the next. The momentum and the dual warm
-start of a matrix live only on the rank that owns it; `consolidated_state_dict` gathers
+exchange of one bank overlaps the computation of the next. The dual warm start of a piece
+lives only on the rank that owns the piece, the momentum of a parameter on every rank that
+owns one of its pieces; `consolidated_state_dict` gathers
 them, and `load_state_dict` of a consolidated dict works for any world size.
 """
 from collections import OrderedDict
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from manifolds.dual import SolverOptions, solve_tall
-from manifolds.geometry import MANIFOLDS
+from manifolds.geometry import MANIFOLDS, geometry
 
 SOLVER_DEFAULTS = asdict(SolverOptions())
+# group options that may differ inside one bank: they enter the step per matrix
+PER_MATRIX = ("lr", "weight_decay")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One matrix of the optimizer: rows [lo, hi) of a parameter, on one manifold."""
+    param: torch.Tensor
+    group: dict
+    lo: int
+    hi: int
+    manifold: str
+
+    @property
+    def whole(self):
+        return self.lo == 0 and self.hi == self.param.size(0)
+
+    @property
+    def dual_key(self):
+        """State key of the piece's warm start ("dual" for a whole parameter)."""
+        return "dual" if self.whole else f"dual@{self.lo}"
+
+    def weight(self):
+        return self.param[self.lo:self.hi]
 
 
 class ManifoldMuon(torch.optim.Optimizer):
@@ -37,27 +65,51 @@ class ManifoldMuon(torch.optim.Optimizer):
         if unknown:
             raise TypeError(f"unknown options {sorted(unknown)}; solver options: {sorted(SOLVER_DEFAULTS)}")
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                        manifold=manifold, **{**SOLVER_DEFAULTS, **solver_opts})
+                        manifold=manifold, blocks=None, **{**SOLVER_DEFAULTS, **solver_opts})
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            if group["manifold"] not in MANIFOLDS:
-                raise ValueError(f"unknown manifold {group['manifold']!r}; valid: {sorted(MANIFOLDS)}")
-            for p in group["params"]:
-                if p.dim() != 2:
-                    raise ValueError(f"ManifoldMuon takes matrices; got a parameter of shape {tuple(p.shape)}")
         distributed = shard and dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
         self.last_stats = {}
 
-    def banks(self):
-        """(group, [params]) for each set of same-shape parameters of a group, in a fixed order."""
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if p.dim() != 2:
+                raise ValueError(f"ManifoldMuon takes matrices; got a parameter of shape {tuple(p.shape)}")
+        for _, _, manifold in self._blocks(group, group["params"][0] if group["params"] else None):
+            if manifold not in MANIFOLDS:
+                raise ValueError(f"unknown manifold {manifold!r}; valid: {sorted(MANIFOLDS)}")
+
+    @staticmethod
+    def _blocks(group, p):
+        """[(lo, hi, manifold)] of a parameter of this group; checks that blocks tile the rows."""
+        if group.get("blocks") is None:
+            return [(0, p.size(0) if p is not None else 0, group["manifold"])]
+        blocks = [tuple(b) for b in group["blocks"]]
+        edges = [0] + [hi for _, hi, _ in blocks]
+        if p is not None and ([lo for lo, _, _ in blocks] != edges[:-1] or edges[-1] != p.size(0)
+                              or any(hi <= lo for lo, hi, _ in blocks)):
+            raise ValueError(f"blocks {blocks} do not tile the {p.size(0)} rows of a parameter in order")
+        return blocks
+
+    def pieces(self):
         for group in self.param_groups:
-            by_shape = OrderedDict()
             for p in group["params"]:
-                by_shape.setdefault(tuple(p.shape), []).append(p)
-            for params in by_shape.values():
-                yield group, params
+                for lo, hi, manifold in self._blocks(group, p):
+                    yield Piece(p, group, lo, hi, manifold)
+
+    def banks(self):
+        """(key, [pieces]) for each set of pieces solved together, in a fixed order: same
+        manifold, shape and solver options (their groups may differ in lr and weight decay)."""
+        by_key = OrderedDict()
+        for piece in self.pieces():
+            options = tuple((k, v) for k, v in sorted(piece.group.items())
+                            if k not in ("params", "name", "blocks", "manifold", "initial_lr") + PER_MATRIX)
+            key = (piece.manifold, piece.hi - piece.lo, piece.param.size(1), options)
+            by_key.setdefault(key, []).append(piece)
+        yield from by_key.items()
 
     def share(self, n):
         """[lo, hi) of the n matrices of a bank that this rank computes, and the padded share size."""
@@ -65,9 +117,17 @@ class ManifoldMuon(torch.optim.Optimizer):
         lo = min(self.rank * size, n)
         return lo, min(lo + size, n), size
 
+    def owned_pieces(self):
+        return [piece for _, pieces in self.banks() for piece in pieces[slice(*self.share(len(pieces))[:2])]]
+
     def owned(self):
-        """Parameters whose state this rank keeps."""
-        return [p for _, params in self.banks() for p in params[slice(*self.share(len(params))[:2])]]
+        """Parameters whose momentum this rank keeps (it owns at least one of their pieces)."""
+        seen = OrderedDict((id(piece.param), piece.param) for piece in self.owned_pieces())
+        return list(seen.values())
+
+    def all_gather_elements(self):
+        """Elements of one step's all-gathered banks, padded ((N-1)/N of them come from other ranks)."""
+        return sum(self.share(len(ps))[2] * self.world_size * ps[0].weight().numel() for _, ps in self.banks())
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -76,66 +136,74 @@ class ManifoldMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.last_stats = {}
+        momenta = {}  # id(param) -> the Nesterov momentum G of a parameter this rank steps
         pending = []
-        for group, params in self.banks():
-            if any(p.grad is None for p in params):
-                if all(p.grad is None for p in params):
+        for key, pieces in self.banks():
+            if any(piece.param.grad is None for piece in pieces):
+                if all(piece.param.grad is None for piece in pieces):
                     continue
                 raise RuntimeError("ManifoldMuon needs gradients for all or none of a bank's matrices")
-            lo, hi, size = self.share(len(params))
-            mine = self._step_bank(group, params[lo:hi]) if hi > lo else None
+            lo, hi, size = self.share(len(pieces))
+            mine = self._step_bank(pieces[lo:hi], momenta) if hi > lo else None
             if self.world_size == 1:
-                self._write(params, mine)
+                self._write(pieces, mine)
                 continue
             # equal-sized pieces for the all-gather: pad a short or empty share
-            piece = torch.zeros((size,) + params[0].shape, dtype=torch.float32, device=params[0].device)
+            shape = pieces[0].weight().shape
+            piece = torch.zeros((size,) + shape, dtype=torch.float32, device=pieces[0].param.device)
             if mine is not None:
                 piece[: hi - lo] = mine
             gathered = [torch.empty_like(piece) for _ in range(self.world_size)]
-            pending.append((dist.all_gather(gathered, piece, async_op=True), gathered, params))
-        for handle, gathered, params in pending:
+            pending.append((dist.all_gather(gathered, piece, async_op=True), gathered, pieces))
+        for handle, gathered, pieces in pending:
             handle.wait()
-            self._write(params, torch.cat(gathered)[: len(params)])
+            self._write(pieces, torch.cat(gathered)[: len(pieces)])
         return loss
 
     @staticmethod
-    def _write(params, new_W):
-        for p, w in zip(params, new_W):
-            p.copy_(w)
+    def _write(pieces, new_W):
+        for piece, w in zip(pieces, new_W):
+            piece.weight().copy_(w)
 
-    def _momentum(self, group, p):
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        buf = state["momentum_buffer"]
-        g = p.grad.float()
-        buf.mul_(group["momentum"]).add_(g)
-        return g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf.clone()
+    def _momentum(self, piece, momenta):
+        """Rows [lo, hi) of the parameter's momentum G (updated once per step per parameter)."""
+        p, group = piece.param, piece.group
+        if id(p) not in momenta:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            buf = state["momentum_buffer"]
+            g = p.grad.float()
+            buf.mul_(group["momentum"]).add_(g)
+            momenta[id(p)] = g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf.clone()
+        return momenta[id(p)][piece.lo:piece.hi]
 
-    def _step_bank(self, group, params):
-        """New weights (stacked, original orientation) for these same-shape parameters."""
-        G = torch.stack([self._momentum(group, p) for p in params])
-        W = torch.stack([p.float() for p in params])
+    def _step_bank(self, pieces, momenta):
+        """New weights (stacked, original orientation) for these same-shape pieces."""
+        G = torch.stack([self._momentum(piece, momenta) for piece in pieces])
+        W = torch.stack([piece.weight().float() for piece in pieces])
         wide = W.size(-2) < W.size(-1)
         if wide:  # work on the tall orientation: constraints act on the small Gram matrix
             W, G = W.mT, G.mT
-        eta, manifold = group["lr"], group["manifold"]
-        opts = SolverOptions(**{k: group[k] for k in SOLVER_DEFAULTS})
-        warm = [self.state[p].get("dual") for p in params]
+        group, manifold = pieces[0].group, pieces[0].manifold
+        eta = W.new_tensor([piece.group["lr"] for piece in pieces])[:, None, None]
+        opts = SolverOptions(**{k: group.get(k, v) for k, v in SOLVER_DEFAULTS.items()})
+        warm = [self.state[piece.param].get(piece.dual_key) for piece in pieces]
         state = torch.stack(warm) if all(w is not None for w in warm) else None
         solution = solve_tall(W, G, manifold, state, opts)
         if manifold == "none":
-            new_W = W * (1 - eta * group["weight_decay"]) - eta * solution.A
+            decay = W.new_tensor([piece.group["weight_decay"] for piece in pieces])[:, None, None]
+            new_W = W * (1 - eta * decay) - eta * solution.A
         else:
-            new_W = MANIFOLDS[manifold].retract(W - eta * solution.A, near=True, backend=opts.backend)
-            for i, p in enumerate(params):  # solvers without a warm start return no state
+            new_W = geometry(manifold, opts).retract(W - eta * solution.A, near=True, backend=opts.backend)
+            for i, piece in enumerate(pieces):  # solvers without a warm start return no state
                 if solution.state is None:
-                    self.state[p].pop("dual", None)
+                    self.state[piece.param].pop(piece.dual_key, None)
                 else:
-                    self.state[p]["dual"] = solution.state[i]
+                    self.state[piece.param][piece.dual_key] = solution.state[i]
         # tensors, not floats: reading them would sync the device every bank
-        self.last_stats[self.bank_name(group, params)] = {"iterations": solution.iterations,
-                                                          "residual": solution.residual.max()}
+        self.last_stats[self.bank_name(pieces)] = {"iterations": solution.iterations,
+                                                   "residual": solution.residual.max()}
         return new_W.mT if wide else new_W
 
     def stats(self):
@@ -144,11 +212,18 @@ class ManifoldMuon(torch.optim.Optimizer):
                 for name, s in self.last_stats.items()}
 
     @staticmethod
-    def bank_name(group, params):
-        rows, cols = params[0].shape
-        return f"{group.get('name', group['manifold'])}:{rows}x{cols}"
+    def bank_name(pieces):
+        """"<group names>:<rows>x<cols>" when the groups are named "<key>=<manifold>" (e.g.
+        "attn.proj=dgram+mlp.fc=dgram:768x768"); otherwise "[<group names>/]<manifold>:<rows>x<cols>"."""
+        manifold = pieces[0].manifold
+        names = list(OrderedDict.fromkeys(piece.group.get("name") for piece in pieces if piece.group.get("name")))
+        rows, cols = pieces[0].weight().shape
+        if names and all(name.endswith(f"={manifold}") for name in names):
+            return f"{'+'.join(names)}:{rows}x{cols}"
+        prefix = "+".join(names) + "/" if names else ""
+        return f"{prefix}{manifold}:{rows}x{cols}"
 
-    # --- state across world sizes -------------------------------------------------------
+    # --- state across world sizes and assignments ------------------------------------------
 
     def consolidated_state_dict(self):
         """The full state_dict, gathered from the owning ranks (a collective; every rank
@@ -157,15 +232,51 @@ class ManifoldMuon(torch.optim.Optimizer):
         if self.world_size > 1:
             shards = [None] * self.world_size
             dist.all_gather_object(shards, {k: _to_cpu(v) for k, v in state["state"].items()})
-            state["state"] = {k: v for shard in shards for k, v in shard.items()}
+            merged = {}
+            for shard in shards:  # a parameter's pieces may live on several ranks
+                for k, v in shard.items():
+                    merged.setdefault(k, {}).update(v)
+            state["state"] = merged
         return state
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
-        keep = {id(p) for p in self.owned()}
+        self._drop_unowned()
+
+    def _drop_unowned(self):
+        pieces = self.owned_pieces()
+        params = {id(piece.param) for piece in pieces}
+        duals = {(id(piece.param), piece.dual_key) for piece in pieces}
         for p in list(self.state):
-            if id(p) not in keep:
+            if id(p) not in params:
                 del self.state[p]  # another rank owns it now
+                continue
+            for key in [k for k in self.state[p] if k.startswith("dual")]:
+                if (id(p), key) not in duals:
+                    del self.state[p][key]
+
+    def reassign(self, param_groups):
+        """Replace the groups (the same parameters; new manifolds or blocks) in place, keeping
+        every parameter's momentum. A piece whose manifold or rows changed loses its dual warm
+        start. A collective under torch.distributed (the state is consolidated first)."""
+        old = self.consolidated_state_dict()["state"]
+        old_params = [p for group in self.param_groups for p in group["params"]]
+        old_pieces = {(id(pc.param), pc.dual_key): pc.manifold for pc in self.pieces()}
+        by_param = {id(p): old[i] for i, p in enumerate(old_params) if i in old}
+        self.param_groups = []
+        for group in param_groups:
+            self.add_param_group(group)
+        if {id(p) for g in self.param_groups for p in g["params"]} != {id(p) for p in old_params}:
+            raise ValueError("reassign takes the same parameters in new groups")
+        new_pieces = {(id(pc.param), pc.dual_key): pc.manifold for pc in self.pieces()}
+        self.state.clear()
+        for group in self.param_groups:
+            for p in group["params"]:
+                for k, v in by_param.get(id(p), {}).items():
+                    if k.startswith("dual") and old_pieces.get((id(p), k)) != new_pieces.get((id(p), k)):
+                        continue
+                    self.state[p][k] = v.to(p.device) if torch.is_tensor(v) else v
+        self._drop_unowned()
 
 
 def _to_cpu(state):

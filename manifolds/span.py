@@ -86,9 +86,32 @@ class SpanBasis:
     def matrix(self, c):
         return self.V @ c
 
+    def precise(self, c, digits=3):
+        """Per matrix: is c^T K c accurate to about `digits` digits? Its rounding error is about
+        eps ||c||_F^2 ||K||_op against ||V c||_F^2 (||K||_op from a few power steps, O(q^2) each)."""
+        if not hasattr(self, "K_norm"):
+            v = torch.ones(self.K.shape[:-1] + (1,), dtype=self.K.dtype, device=self.K.device)
+            for _ in range(8):
+                v = self.K @ v
+                v = v / v.norm(dim=-2, keepdim=True).clamp_min(1e-30)
+            self.K_norm = (v * (self.K @ v)).sum(dim=(-2, -1))
+        eps = torch.finfo(c.dtype).eps
+        growth = c.square().sum(dim=(-2, -1)) * self.K_norm / self.sumsq(c).clamp_min(1e-30)
+        return torch.isfinite(growth) & (growth * eps <= 10.0 ** -digits)
+
 
 def span_admm(W, G, geo, opts):
-    """(B, Z, iterations): ADMM of dual.py's `admm`, in span[W, G] coefficients; B = V c_B."""
+    """(B, Z, iterations, valid): ADMM of dual.py's `admm`, in span[W, G] coefficients; B = V c_B.
+
+    `valid` (one bool per matrix) is False where the coefficients lost the precision the
+    iteration needs. When G is nearly rank-deficient or nearly inside span[W], so is V, and
+    msign(Proj_T G) puts unit singular values on directions that V reaches only through huge
+    coefficients; a coefficient c carries a rounding error of about eps ||c||^2 ||K|| into
+    c^T K c. The caller then solves the bank on the full matrices.
+    """
+    # G scaled to columns of unit mean norm, like W's: the coefficients then measure the
+    # conditioning of V rather than G's scale (the ADMM iterates do not depend on G's scale).
+    G = G * (W.size(-1) ** 0.5 / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30))
     basis = SpanBasis(W, G, geo)
     rms = lambda c: (basis.sumsq(c) / (basis.p * basis.q)).sqrt()  # noqa: E731
     GT = basis.project(basis.G)
@@ -113,7 +136,7 @@ def span_admm(W, G, geo, opts):
         if (k + 1) % opts.check_every == 0 and not bool(active.any()):
             break
     B = basis.project(Z - U + basis.G / rho)
-    return basis.matrix(B), basis.matrix(Z), k + 1
+    return basis.matrix(B), basis.matrix(Z), k + 1, basis.precise(Z) & basis.precise(B)
 
 
 def top_eigenvalue(S, iters):

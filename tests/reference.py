@@ -53,3 +53,29 @@ def random_point(shape, manifold, seed, spread=0.3):
     W = project_to_manifold(W, manifold)
     G = torch.randn(shape, generator=g, dtype=torch.float64)
     return W.float(), G.float()
+
+
+def cone_projection(W, A, capped):
+    """Euclidean projection onto dgram-cap's tangent cone at W = Q D (float64, exact).
+
+    The normal directions W (E_ij + E_ji) (i != j) and W E_ii are mutually orthogonal because
+    W^T W is diagonal, so the projection splits: DGram's subspace projection, then for each
+    capped column i with w_i . a_i < 0 the component along w_i removed (w_i . a_i >= 0 holds)."""
+    A = MANIFOLDS["dgram"].tangent_projection(W, A)
+    wa = (W * A).sum(dim=-2)
+    fix = capped & (wa < 0)
+    return A - W * torch.where(fix, wa / W.square().sum(dim=-2), torch.zeros_like(wa))
+
+
+def cone_optimum(W, G, capped, iters=3000):
+    """Optimal <G/|G|, A> / ||A||_op over dgram-cap's tangent cone: ADMM with exact SVD clips."""
+    W, G = W.double(), G.double()
+    G = G / G.norm()
+    rho = torch.linalg.matrix_norm(cone_projection(W, G, capped), ord=2)
+    Z, U = torch.zeros_like(G), torch.zeros_like(G)
+    for _ in range(iters):
+        B = cone_projection(W, Z - U + G / rho, capped)
+        Z = svd_clip(B + U)
+        U = U + B - Z
+    B = cone_projection(W, Z - U + G / rho, capped)
+    return float((G * B).sum() / torch.linalg.matrix_norm(B, ord=2))

@@ -88,10 +88,10 @@ def test_matrix_stats_against_svd_and_the_manifolds():
     qkv = torch.randn(3 * n, n)
     fc = torch.linalg.qr(torch.randn(4 * n, n))[0] * torch.linspace(0.5, 3.0, n)  # DGram: Q diag(d)
     proj = torch.linalg.qr(torch.randn(4 * n, n))[0].T  # Stiefel, wide
-    matrices = {"attn.qkv": [("b.attn.c_attn.weight", qkv)], "mlp.fc": [("b.mlp.c_fc.weight", fc)],
-                "mlp.proj": [("b.mlp.c_proj.weight", proj)]}
-    assignment = {"attn.qkv": "none", "mlp.fc": "dgram", "mlp.proj": "stiefel"}
-    stats = matrix_stats(matrices, assignment, n_embd=n)
+    plan = [("b.attn.c_attn.weight", qkv, "attn.qkv", [("b.attn.c_attn.weight", 0, 3 * n, "none")]),
+            ("b.mlp.c_fc.weight", fc, "mlp.fc", [("b.mlp.c_fc.weight", 0, 4 * n, "dgram")]),
+            ("b.mlp.c_proj.weight", proj, "mlp.proj", [("b.mlp.c_proj.weight", 0, n, "stiefel")])]
+    stats = matrix_stats(plan)
     for name, W in [("b.attn.c_attn.weight", qkv), ("b.attn.c_attn.weight[q]", qkv[:n]),
                     ("b.attn.c_attn.weight[k]", qkv[n:2 * n]), ("b.mlp.c_fc.weight", fc)]:
         sigma = torch.linalg.svdvals(W.double())
@@ -107,8 +107,24 @@ def test_matrix_stats_against_svd_and_the_manifolds():
     assert stats["manifold_violation"]["b.mlp.c_fc.weight"] < 1e-5
     assert stats["manifold_violation"]["b.mlp.c_proj.weight"] < 1e-5
     # a blown-up matrix reports NaN instead of stopping the run
-    stats = matrix_stats({"mlp.fc": [("w", torch.full((4 * n, n), float("nan")))]}, {"mlp.fc": "none"}, n)
+    stats = matrix_stats([("w", torch.full((4 * n, n), float("nan")), "mlp.fc", [("w", 0, 4 * n, "none")])])
     assert math.isnan(stats["sigma_max"]["w"])
+
+
+def test_matrix_stats_of_a_split_qkv():
+    # q, k Stiefel and v DGram blocks of one fused matrix: each block is its own matrix
+    torch.manual_seed(1)
+    n = 8
+    q, k = (torch.linalg.qr(torch.randn(n, n))[0] for _ in range(2))
+    v = torch.linalg.qr(torch.randn(n, n))[0] * torch.linspace(0.2, 2.0, n)
+    name = "b.attn.c_attn.weight"
+    blocks = [(f"{name}[q]", 0, n, "stiefel"), (f"{name}[k]", n, 2 * n, "stiefel"), (f"{name}[v]", 2 * n, 3 * n, "dgram")]
+    stats = matrix_stats([(name, torch.cat([q, k, v]), "attn.qkv", blocks)])
+    assert set(stats["manifold_violation"]) == {label for label, *_ in blocks}
+    assert max(stats["manifold_violation"].values()) < 1e-5
+    assert stats["sigma_max"][f"{name}[v]"] == pytest.approx(2.0, rel=1e-5)
+    assert stats["sigma_min"][f"{name}[q]"] == pytest.approx(1.0, abs=1e-5)
+    assert set(stats["col_norm_max"]) == {f"{name}[v]"}
 
 
 def rows(out_dir):

@@ -28,11 +28,18 @@ def launch(nproc, out_dir, data_dir, *extra):
     return rows, summary
 
 
-@pytest.mark.parametrize("assign", ["hetero", "unconstrained"])
+@pytest.mark.parametrize("assign", [["hetero"], ["unconstrained"],
+                                    # q, k blocks of one matrix on different ranks
+                                    ["hetero-qk"],
+                                    # switches at step 4 (rank 0 decides, every rank regroups)
+                                    ["auto", "--auto-logit-max", "1e-3"]], ids=lambda a: a[0])
 def test_two_ranks_match_one_rank_with_accumulation(assign, tmp_path):
     data_dir = make_shards(str(tmp_path / "data"))
-    two, s2 = launch(2, tmp_path / "two", data_dir, "--assign", assign, "--grad-accum", "1")
-    one, s1 = launch(1, tmp_path / "one", data_dir, "--assign", assign, "--grad-accum", "2")
+    two, s2 = launch(2, tmp_path / "two", data_dir, "--assign", *assign, "--grad-accum", "1")
+    one, s1 = launch(1, tmp_path / "one", data_dir, "--assign", *assign, "--grad-accum", "2")
+    assert s2.get("auto_switches") == s1.get("auto_switches")
+    if assign[0] == "auto":
+        assert [(s["step"], s["layer"]) for s in s2["auto_switches"]] == [(4, 0), (4, 1)]
     losses2 = [r["train_loss"] for r in two if "train_loss" in r]
     losses1 = [r["train_loss"] for r in one if "train_loss" in r]
     assert len(losses1) == len(losses2) == 8

@@ -242,3 +242,19 @@ def test_banks_group_same_shapes():
     opt.step()
     assert set(opt.last_stats) == {"stiefel:32x8", "stiefel:8x32", "stiefel:16x16"}
     assert not math.isnan(opt.stats()["stiefel:32x8"]["residual"])
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_tall_banks_survive_a_nearly_rank_deficient_momentum(manifold):
+    # Momenta of low rank (seen in training: an attention matrix at lr 0.2) make span[W, G]
+    # nearly singular; its coefficient arithmetic then loses all precision (it returned NaN).
+    # The solver must notice and solve on the full matrices.
+    for rank, seed in [(2, 0), (8, 1)]:
+        W, _ = random_point((96, 32), manifold, seed)
+        g = torch.Generator().manual_seed(seed)
+        G = torch.randn(96, rank, generator=g) @ torch.randn(rank, 32, generator=g)
+        G = G + 1e-6 * torch.randn(96, 32, generator=g)
+        A = steepest_direction(W, G, manifold)
+        assert torch.isfinite(A).all()
+        opt, _ = optimum(W, G, manifold, iters=1500)
+        assert quality(W, G, A, opt) >= 0.97

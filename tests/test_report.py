@@ -77,3 +77,21 @@ def test_report_cli_on_run_folders_and_its_mistakes(tmp_path):
                           ([str(tmp_path / "nothing")], "is not a folder")]:
         result = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
+
+
+def test_seeds_of_one_assignment_are_summarised(tmp_path):
+    for i, (seed, final) in enumerate([("s1", 5.5), ("s2", 5.7)]):
+        fake_run(tmp_path / seed / "hetero", "hetero", [(10, final, 4.0, 1.0, 2.0)],
+                 {"status": "completed", "steps": 10, "tokens": 10000, "final_val_loss": final, "diverged": None},
+                 started=1000 + i)
+        fake_run(tmp_path / seed / "auto", "auto", [(10, 6.0, 9.0, 1.0, 2.0)],
+                 {"status": "completed", "steps": 10, "tokens": 10000, "final_val_loss": 6.0, "diverged": None,
+                  "auto_switches": [{"step": 5, "layer": 1, "reason": "x"}]}, started=2000 + i)
+    report.write_report([str(tmp_path / "s1"), str(tmp_path / "s2")], str(tmp_path))
+    text = (tmp_path / "report.md").read_text()
+    rows = table_rows(text)
+    hetero = next(r for r in rows if r[0] == "`hetero`")
+    # assignment, runs, mean ± sd, min – max, diverged, median max logit, median final max prob
+    assert hetero == ["`hetero`", "2", "5.6000 ± 0.1414", "5.5000 – 5.7000", "0/2", "4.0", "0.90"]
+    assert "6.0000 (auto: layer 1 at step 5)" in text
+    assert "`hetero (s1)`" in text and "`hetero (s2)`" in text

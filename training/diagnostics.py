@@ -114,27 +114,32 @@ def singular_values(matrices):
 
 
 @torch.no_grad()
-def matrix_stats(matrices, assignment, n_embd):
+def matrix_stats(plan, dgram_cap=1.0):
     """Singular values, manifold violation and DGram column norms of every Muon matrix.
 
-    `matrices` is {module key: [(parameter name, W), ...]} and `assignment` {module key:
-    manifold}; the fused QKV matrices (key "attn.qkv", rows q | k | v of n_embd each) also give
-    the singular values of their q and k blocks. Returns the eval-row fields named in the
-    module docstring, each a {name: float} dict.
+    `plan` is the trainer's [(parameter name, W, module key, [(label, row_lo, row_hi,
+    manifold)])]: one piece per matrix, or the q | k | v row blocks of a split fused QKV. Every
+    matrix gets its singular values; a fused QKV matrix (key "attn.qkv") also those of its q and
+    k blocks (labelled name[q], name[k]), a split one those of all three. Violation and column
+    norms are per piece. Returns the eval-row fields named in the module docstring, each a
+    {name: float} dict.
     """
     pieces = []  # (name, matrix) whose singular values are reported
     out = {"sigma_max": {}, "sigma_min": {}, "manifold_violation": {}, "col_norm_min": {}, "col_norm_max": {}}
-    for key, entries in matrices.items():
-        manifold = assignment[key]
-        for name, W in entries:
-            pieces.append((name, W))
-            if key == "attn.qkv":
-                pieces += [(f"{name}[q]", W[:n_embd]), (f"{name}[k]", W[n_embd:2 * n_embd])]
-            out["manifold_violation"][name] = manifold_violation(W, manifold)
-            if manifold == "dgram":
-                tall = W if W.size(-2) >= W.size(-1) else W.mT
-                norms = tall.detach().double().norm(dim=-2)
-                out["col_norm_min"][name], out["col_norm_max"][name] = float(norms.min()), float(norms.max())
+    for name, W, key, blocks in plan:
+        W = W.detach()
+        pieces.append((name, W))
+        if key == "attn.qkv":
+            rows = W.size(0) // 3
+            labels = [label for label, _, _, _ in blocks] if len(blocks) == 3 else [f"{name}[q]", f"{name}[k]"]
+            pieces += [(label, W[i * rows:(i + 1) * rows]) for i, label in enumerate(labels)]
+        for label, lo, hi, manifold in blocks:
+            block = W[lo:hi]
+            out["manifold_violation"][label] = manifold_violation(block, manifold, dgram_cap)
+            if manifold in ("dgram", "dgram-cap"):
+                tall = block if block.size(-2) >= block.size(-1) else block.mT
+                norms = tall.double().norm(dim=-2)
+                out["col_norm_min"][label], out["col_norm_max"][label] = float(norms.min()), float(norms.max())
     by_shape, extremes = {}, {}
     for name, W in pieces:  # one batched eigenproblem per shape
         by_shape.setdefault(tuple(W.shape), []).append((name, W))
