@@ -116,7 +116,11 @@ class DGram(Manifold):
         norms = X.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny ** 0.5)
         unit = X / norms
         Q = kernels.orthonormalize_near(unit, backend=backend) if near else polar_svd(unit)
-        return Q * norms
+        return Q * self.column_scale(norms)
+
+    def column_scale(self, norms):
+        """The column norms the retraction gives back (DGram: those of X)."""
+        return norms
 
     def violation(self, W):
         # max |Off(W^T W)| / max diag(W^T W)
@@ -202,11 +206,8 @@ class DGramCap(DGram):
             return super().dual_update(Lambda, H, M, d2, step, backend)
         return self._keep_pinned_diagonal(kernels.dual_update(Lambda, H, M, "stiefel", d2, step, backend))
 
-    def retract(self, X, near=True, backend="auto"):
-        norms = X.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny ** 0.5)
-        unit = X / norms
-        Q = kernels.orthonormalize_near(unit, backend=backend) if near else polar_svd(unit)
-        return Q * norms.clamp_max(self.cap)
+    def column_scale(self, norms):
+        return norms.clamp_max(self.cap)  # R(X) = msign(X N^-1) min(N, C)
 
     def violation(self, W):
         # DGram's violation, or the relative excess of a column norm over the cap if larger

@@ -37,7 +37,9 @@ def test_two_ranks_match_one_rank_with_accumulation(assign, tmp_path):
     data_dir = make_shards(str(tmp_path / "data"))
     two, s2 = launch(2, tmp_path / "two", data_dir, "--assign", *assign, "--grad-accum", "1")
     one, s1 = launch(1, tmp_path / "one", data_dir, "--assign", *assign, "--grad-accum", "2")
-    assert s2.get("auto_switches") == s1.get("auto_switches")
+    # the same decisions (their reasons quote rank 0's first val batch, which differs)
+    assert [(s["step"], s["layer"]) for s in s2.get("auto_switches", [])] == \
+        [(s["step"], s["layer"]) for s in s1.get("auto_switches", [])]
     if assign[0] == "auto":
         assert [(s["step"], s["layer"]) for s in s2["auto_switches"]] == [(4, 0), (4, 1)]
     losses2 = [r["train_loss"] for r in two if "train_loss" in r]
