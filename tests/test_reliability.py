@@ -164,6 +164,10 @@ def test_divergence_is_recorded_with_its_own_exit_status(data_dir, tmp_path):
     (["--resume", "/nonexistent/ckpt.pt"], "no such checkpoint"),
     (["--out-dir", "/proc/forbidden"], "--out-dir /proc/forbidden"),  # root may write anywhere else
     (["--out-dir", ROOT + "/README.md/run"], "is not a directory"),
+    (["--assign", "attn.x=stiefel"], "unknown module 'attn.x'"),
+    (["--dgram-cap", "0"], "--dgram-cap must be positive"),
+    (["--assign", "auto", "--auto-base", "auto"], "--auto-base must be"),
+    (["--assign", "auto", "--auto-logit-max", "-1"], "--auto-logit-max must be non-negative"),
 ])
 def test_hostile_input_is_one_clean_error_line(data_dir, tmp_path, flags, message):
     result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *RUN, *flags),
