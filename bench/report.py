@@ -34,12 +34,13 @@ class Run:
         self.path = path
         self.config = read_json(os.path.join(path, "config.json")) or {}
         self.summary = read_json(os.path.join(path, "summary.json"))
-        self.train, self.evals = [], []
+        self.train, self.evals, self.events = [], [], []  # events: e.g. --assign auto's switches
         with open(os.path.join(path, "metrics.jsonl")) as f:
             for line in f:
                 if line.strip():
                     row = json.loads(line)
-                    (self.evals if "val_loss" in row else self.train).append(row)
+                    kind = self.events if "event" in row else self.evals if "val_loss" in row else self.train
+                    kind.append(row)
         self.label = self.config.get("assign", os.path.basename(os.path.normpath(path)))
         self.assign = self.label  # the label may gain the folder name; this stays the assignment
 

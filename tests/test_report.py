@@ -31,6 +31,11 @@ def fake_run(folder, assign, evals, summary, started):
             json.dump(summary, f)
 
 
+def add_event(folder, row):
+    with open(os.path.join(folder, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def two_runs(root):
     fake_run(root / "hetero", "hetero", [(5, 6.0, 3.0, 1.0, 2.0), (10, 5.5, 4.0, 1.0, 2.5)],
              {"status": "completed", "steps": 10, "tokens": 10000, "final_val_loss": 5.5, "diverged": None},
@@ -87,6 +92,7 @@ def test_seeds_of_one_assignment_are_summarised(tmp_path):
         fake_run(tmp_path / seed / "auto", "auto", [(10, 6.0, 9.0, 1.0, 2.0)],
                  {"status": "completed", "steps": 10, "tokens": 10000, "final_val_loss": 6.0, "diverged": None,
                   "auto_switches": [{"step": 5, "layer": 1, "reason": "x"}]}, started=2000 + i)
+        add_event(tmp_path / seed / "auto", {"step": 5, "layer": 1, "reason": "x", "event": "auto_switch"})
     report.write_report([str(tmp_path / "s1"), str(tmp_path / "s2")], str(tmp_path))
     text = (tmp_path / "report.md").read_text()
     rows = table_rows(text)
