@@ -477,7 +477,8 @@ def max_violations(plan, args):
     for _, p, _, pieces in plan:
         for _, lo, hi, manifold in pieces:
             violation = manifold_violation(p.detach()[lo:hi], manifold, args.dgram_cap)
-            out[manifold] = max(out.get(manifold, 0.0), violation)
+            # NaN (blown-up weights) must win: max() would silently drop it
+            out[manifold] = max(out.get(manifold, 0.0), violation, key=lambda v: math.inf if math.isnan(v) else v)
     return out
 
 

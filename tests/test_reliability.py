@@ -1,5 +1,6 @@
 """Checkpoints, exact resume, interruption, divergence and hostile input."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -190,3 +191,16 @@ def test_missing_data_dir_and_foreign_run_are_refused_without_touching_anything(
     assert result.returncode == 0
     result = run(data_dir, tmp_path / "fresh", "--max-steps", "2", "--overwrite")
     assert result.returncode == 0 and len(train_losses(tmp_path / "fresh")) == 2
+
+
+def test_blown_up_weights_report_a_nan_violation():
+    # a divergence record must not say "on the manifold" (0.0) for NaN weights: max() drops NaN
+    sys.path.insert(0, ROOT)
+    import types
+
+    import torch
+
+    import train_gpt2
+    eye, nan = torch.eye(8), torch.full((8, 8), float("nan"))
+    plan = [(n, w, "attn.proj", [(n, 0, 8, "stiefel")]) for n, w in (("a", eye), ("b", nan), ("c", eye))]
+    assert math.isnan(train_gpt2.max_violations(plan, types.SimpleNamespace(dgram_cap=1.0))["stiefel"])
