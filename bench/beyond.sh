@@ -5,7 +5,7 @@
 #   bash bench/beyond.sh                     (SEEDS, MUON_LR, CORPUS, OUT override the defaults)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SEEDS=${SEEDS:-"1337 1338"}
+SEEDS=${SEEDS:-"1337 1338 1339"}
 MUON_LR=${MUON_LR:-0.2}
 CORPUS=${CORPUS:-../shared/corpus}
 OUT=${OUT:-runs/beyond}
