@@ -715,17 +715,17 @@ def diagnostics(model, plan, args, train_loss, lr, grad_norm):
             "max_manifold_violation": max_violations(plan, args)}
 
 
-def auto_switch(step, fields, auto, model, muon, args, env):
+def auto_switch(step, fields, auto, model, muon, plan, args, env):
     """--assign auto at an eval: rank 0 decides from its diagnostics, every rank applies the
     switches: Stiefel attention for those layers (weights projected, dual state reset, momentum
-    kept). Returns the new switches."""
+    kept). Returns the new switches and the matrix plan (a new one when anything switched)."""
     new = auto.decide(step, fields) if env.is_main else None
     if env.world_size > 1:
         box = [new]
         dist.broadcast_object_list(box, src=0)
         new = box[0]
     if not new:
-        return []
+        return [], plan
     auto.apply(new)
     plan = matrix_plan(model, layer_assignments(args, auto))
     switched = {name for name, *_ in plan if layer_of(name) in {s["layer"] for s in new}}
@@ -735,7 +735,7 @@ def auto_switch(step, fields, auto, model, muon, args, env):
             if name in switched:
                 dist.broadcast(p.data, src=0)
     muon.reassign(muon_groups(plan))
-    return new
+    return new, plan
 
 
 def train(args, env):
@@ -858,12 +858,12 @@ def train(args, env):
             say(f"step {step + 1:6d} | val loss {val_loss:.4f} ({eval_tokens:,} tokens)"
                 + (f" | replicas differ by {replica_diff:.1e}" if env.world_size > 1 else ""), flush=True)
             if auto is not None:
-                for switch in auto_switch(step + 1, eval_fields, auto, model, muon, args, env):
+                switches, plan = auto_switch(step + 1, eval_fields, auto, model, muon, plan, args, env)
+                for switch in switches:
                     say(f"step {step + 1:6d} | auto: layer {switch['layer']} attention -> stiefel "
                         f"({switch['reason']})", flush=True)
                     if log:
                         log.row(**switch, event="auto_switch")
-                plan = matrix_plan(model, layer_assignments(args, auto))
         worst = max(train_loss, val_loss if evaluated and val_loss is not None else -math.inf)
         if diverged is None and (not math.isfinite(worst) or worst > args.diverge_factor * best_val):
             diverged = {"step": step + 1, **diagnostics(model, plan, args, train_loss, lr, float(grad_norm))}

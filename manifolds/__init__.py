@@ -23,7 +23,7 @@ def project_to_manifold(W, manifold, dgram_cap=1.0):
     DGram-cap: the DGram projection with the column norms clipped at `dgram_cap`.
     Computed with an exact SVD polar factor, so it is accurate however far W is from the manifold.
     """
-    geo = geometry(manifold, {"dgram_cap": dgram_cap})
+    geo = geometry(manifold, dgram_cap)
     wide = W.size(-2) < W.size(-1)
     out = geo.retract(_tall(W), near=False)
     return out.mT if wide else out
@@ -36,4 +36,4 @@ def manifold_violation(W, manifold, dgram_cap=1.0):
     of DGram's and the relative excess of the largest column norm over the cap;  none: 0.
     """
     with torch.no_grad():
-        return float(geometry(manifold, {"dgram_cap": dgram_cap}).violation(_tall(W).double()).max())
+        return float(geometry(manifold, dgram_cap).violation(_tall(W).double()).max())

@@ -206,7 +206,7 @@ def admm(W, G, geo, warm, opts):
 def solve_tall(W, G, manifold, state=None, opts=None):
     """Solve on the tall orientation (W, G: (..., p, q), p >= q). G need not be normalised."""
     opts = opts or SolverOptions()
-    geo = geometry(manifold, opts)
+    geo = geometry(manifold, opts.dgram_cap)
     G = G / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
     if manifold == "none":
         A = kernels.msign(G, opts.msign_steps, opts.polish_steps, opts.backend)

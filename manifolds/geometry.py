@@ -180,20 +180,17 @@ class DGramCap(DGram):
             return off_diagonal(S)
         return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1) * ~self.pinned)
 
-    def _keep_pinned_diagonal(self, full):
-        # a full symmetric result (Stiefel's P) with the diagonal of unpinned columns zeroed
-        return self.gram_projector(full)
-
     def tangent_residual(self, W, A, backend="auto", with_norm=False):
         if self.pinned is None:
             return super().tangent_residual(W, A, backend, with_norm)
-        H = self._keep_pinned_diagonal(kernels.tangent_residual(W, A, "stiefel", backend))
+        # Stiefel's P (the full symmetric part), then the unpinned diagonal zeroed
+        H = self.gram_projector(kernels.tangent_residual(W, A, "stiefel", backend))
         return (H, H.square().sum(dim=(-2, -1))) if with_norm else H
 
     def preconditioned(self, W, A, d2, alpha=1.0, backend="auto"):
         if self.pinned is None:
             return super().preconditioned(W, A, d2, alpha, backend)
-        return self._keep_pinned_diagonal(kernels.preconditioned(W, A, "stiefel", d2, alpha, backend))
+        return self.gram_projector(kernels.preconditioned(W, A, "stiefel", d2, alpha, backend))
 
     def tangent_projection(self, W, A, d2=None, backend="auto"):
         if self.pinned is None:
@@ -204,7 +201,7 @@ class DGramCap(DGram):
     def dual_update(self, Lambda, H, M, d2, step, backend="auto"):
         if self.pinned is None:
             return super().dual_update(Lambda, H, M, d2, step, backend)
-        return self._keep_pinned_diagonal(kernels.dual_update(Lambda, H, M, "stiefel", d2, step, backend))
+        return self.gram_projector(kernels.dual_update(Lambda, H, M, "stiefel", d2, step, backend))
 
     def column_scale(self, norms):
         return norms.clamp_max(self.cap)  # R(X) = msign(X N^-1) min(N, C)
@@ -218,9 +215,6 @@ class DGramCap(DGram):
 MANIFOLDS = {m.name: m for m in (Stiefel(), DGram(), DGramCap(), Unconstrained())}
 
 
-def geometry(name, opts=None):
-    """The manifold object for a name; `opts` (SolverOptions or a group dict) sets the DGram cap."""
-    if name == "dgram-cap" and opts is not None:
-        cap = opts["dgram_cap"] if isinstance(opts, dict) else opts.dgram_cap
-        return DGramCap(cap)
-    return MANIFOLDS[name]
+def geometry(name, dgram_cap=1.0):
+    """The manifold object for a name (dgram-cap: with the cap `dgram_cap`)."""
+    return DGramCap(dgram_cap) if name == "dgram-cap" else MANIFOLDS[name]

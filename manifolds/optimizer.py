@@ -195,7 +195,7 @@ class ManifoldMuon(torch.optim.Optimizer):
             decay = W.new_tensor([piece.group["weight_decay"] for piece in pieces])[:, None, None]
             new_W = W * (1 - eta * decay) - eta * solution.A
         else:
-            new_W = geometry(manifold, opts).retract(W - eta * solution.A, near=True, backend=opts.backend)
+            new_W = geometry(manifold, opts.dgram_cap).retract(W - eta * solution.A, near=True, backend=opts.backend)
             for i, piece in enumerate(pieces):  # solvers without a warm start return no state
                 if solution.state is None:
                     self.state[piece.param].pop(piece.dual_key, None)

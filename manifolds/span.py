@@ -70,6 +70,12 @@ class SpanBasis:
         self.pair = d2.unsqueeze(-1) + d2.unsqueeze(-2)
         eye = torch.eye(self.q, dtype=W.dtype, device=W.device).expand(W.shape[:-2] + (self.q, self.q))
         self.G = torch.cat([torch.zeros_like(eye), eye], dim=-2)  # G = V [0; I]
+        # ||K||_op from a few plain power steps (O(q^2) each), for `precise`
+        v = torch.ones(self.K.shape[:-1] + (1,), dtype=self.K.dtype, device=self.K.device)
+        for _ in range(8):
+            v = self.K @ v
+            v = v / v.norm(dim=-2, keepdim=True).clamp_min(1e-30)
+        self.K_norm = (v * (self.K @ v)).sum(dim=(-2, -1))
 
     def gram(self, c):
         return c.mT @ (self.K @ c)
@@ -88,13 +94,7 @@ class SpanBasis:
 
     def precise(self, c, digits=3):
         """Per matrix: is c^T K c accurate to about `digits` digits? Its rounding error is about
-        eps ||c||_F^2 ||K||_op against ||V c||_F^2 (||K||_op from a few power steps, O(q^2) each)."""
-        if not hasattr(self, "K_norm"):
-            v = torch.ones(self.K.shape[:-1] + (1,), dtype=self.K.dtype, device=self.K.device)
-            for _ in range(8):
-                v = self.K @ v
-                v = v / v.norm(dim=-2, keepdim=True).clamp_min(1e-30)
-            self.K_norm = (v * (self.K @ v)).sum(dim=(-2, -1))
+        eps ||c||_F^2 ||K||_op against ||V c||_F^2."""
         eps = torch.finfo(c.dtype).eps
         growth = c.square().sum(dim=(-2, -1)) * self.K_norm / self.sumsq(c).clamp_min(1e-30)
         return torch.isfinite(growth) & (growth * eps <= 10.0 ** -digits)
