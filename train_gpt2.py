@@ -104,8 +104,9 @@ def parse_args(argv=None):
     t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
     t.add_argument("--dual-steps", type=int, default=8,
                    help="most multiplier updates of the dual-ascent solver (square Stiefel matrices)")
-    t.add_argument("--admm-steps", type=int, default=8,
-                   help="most iterations of the ADMM solver (all other constrained matrices; twice that for near-square ones)")
+    t.add_argument("--admm-steps", type=int, default=6,
+                   help="most iterations of the ADMM solver (all other constrained matrices) from the previous "
+                        "step's warm start; twice that from a cold start and again for near-square matrices")
     t.add_argument("--solver", choices=("auto", "dual", "admm"), default="auto",
                    help="steepest-direction solver; auto picks by shape and manifold")
     t.add_argument("--kernels", choices=KERNEL_BACKENDS, default="auto",

@@ -8,14 +8,16 @@ step of
   (a) `published`: bench/published.py, a re-statement of the published per-matrix algorithm
       (20 dual steps of 0.1 with linear decay, 10 Polar-Express iterations per msign, host sync
       every dual step, Stiefel retraction by msign, DGram by polar factor x sorted singular values);
-  (b) `ours`: ManifoldMuon with its defaults (banked, warm-started from the previous steps);
+  (b) `ours`: ManifoldMuon with its defaults (banked, warm-started from the previous steps;
+      on a CPU the ADMM's matrix functions come from eigh, on a GPU from Polar Express);
   (c) `ours-20`: ManifoldMuon with the paper's iteration count (20 dual / ADMM steps),
 all on the same weights and gradients, in the same precision, in the same process, and prints
 time ratios. Gradients are "momentum-like": a power-law spectrum (s_i ~ 1/i, as the momentum of
 real GPT-2 gradients shows: largest / median singular value ~ 100) plus noise, drifting slowly
 from step to step. With --quality it also measures, for one matrix per bank, the direction
-quality <G/|G|, A>/||A||_op as a fraction of a certified float64 optimum (tests/reference.py),
-the tangent residual and the manifold violation after the step. A FLOP model of both algorithms
+quality <G/|G|, A>/||A||_op as a fraction of a certified float64 optimum (tests/reference.py)
+of the last step (ours: warm-started along the gradient sequence, as timed, and cold), the
+tangent residual and the manifold violation after the step. A FLOP model of both algorithms
 for GPT-2 small is printed too.
 """
 import argparse
@@ -32,6 +34,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from bench.published import PUBLISHED, published_direction, published_step  # noqa: E402
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction  # noqa: E402
+from manifolds.dual import SolverOptions, solve_tall  # noqa: E402
 from manifolds.assignment import parse_assignment  # noqa: E402
 from manifolds.geometry import MANIFOLDS  # noqa: E402
 
@@ -113,24 +116,41 @@ def time_ours(banks, args, device, **solver):
     return times[args.warmup:], {k: [p.detach() for p in v] for k, v in params.items()}, opt
 
 
+def warm_direction(W, Gs, manifold, **solver):
+    """The direction of the last of a sequence of steps at W, each warm-started from the one
+    before (what the optimizer does every step but the first), on the tall orientation."""
+    opts = SolverOptions(**solver)
+    state = None
+    for G in Gs:
+        solution = solve_tall(W[None], G[None], manifold, state, opts)
+        state = solution.state
+    return solution.A[0]
+
+
 def quality_report(banks, args):
-    """Direction quality of each algorithm on the last step's (W, G), one matrix per bank."""
+    """Direction quality of each algorithm on the last step's (W, G), one matrix per bank.
+
+    "ours" and "ours-20" are warm-started along the bench's gradient sequence, as in the timed
+    steps; "ours-cold" is the first step of a run (or steepest_direction), twice the iterations.
+    """
     from reference import optimum, quality  # float64 ADMM with exact SVD and a duality certificate
     rows = []
     for bank in banks:
         if bank["manifold"] == "none":
             continue
         W, G = bank["W"][0].double().cpu(), bank["G"][-1][0].double().cpu()
-        tall_W, tall_G = (W.mT, G.mT) if W.size(-2) < W.size(-1) else (W, G)
+        orient = (lambda M: M.mT) if W.size(-2) < W.size(-1) else (lambda M: M)  # noqa: E731
+        tall_W, tall_G = orient(W), orient(G)
+        Gs = [orient(step[0].float().cpu()) for step in bank["G"]]
         opt, upper = optimum(tall_W, tall_G, bank["manifold"], iters=args.reference_iters)
         geo = MANIFOLDS[bank["manifold"]]
         row = {"bank": bank["key"], "manifold": bank["manifold"], "shape": list(W.shape),
                "reference_gap": (upper - opt) / upper}
         candidates = {
             "published": published_direction(tall_W.float(), tall_G.float(), bank["manifold"], **PUBLISHED)[0],
-            "ours": steepest_direction(tall_W.float(), tall_G.float(), bank["manifold"]),
-            "ours-20": steepest_direction(tall_W.float(), tall_G.float(), bank["manifold"],
-                                          dual_steps=20, admm_steps=20),
+            "ours": warm_direction(tall_W.float(), Gs, bank["manifold"]),
+            "ours-cold": steepest_direction(tall_W.float(), tall_G.float(), bank["manifold"]),
+            "ours-20": warm_direction(tall_W.float(), Gs, bank["manifold"], dual_steps=20, admm_steps=20),
         }
         for name, A in candidates.items():
             A = A.double()
@@ -146,16 +166,32 @@ def msign_flops(p, q, iters):
     return iters * (4 * p * q * q + 2 * q ** 3)
 
 
-def flop_model(n_embd, n_layer, assignment, ours_iterations, msign_iters=7):
-    """Multiply-add FLOPs (x2) of the constrained matrices' direction + retraction per step.
+EIGH_FLOPS = 9  # x q^3: symmetric eigendecomposition with eigenvectors (Golub & Van Loan's count)
+
+
+def clip_flops(q, clip, msign_iters=7):
+    """One polar factor or spectral clip of a 2q x q matrix Y (the reduced problem)."""
+    if clip == "eigh":  # Y^T Y, eigh, Q f Q^T, Y h
+        return 4 * q ** 3 + EIGH_FLOPS * q ** 3 + 2 * q ** 3 + 4 * q ** 3
+    # msign(Y), sym(O^T Y), msign of the q x q E, O (...)
+    return msign_flops(2 * q, q, msign_iters) + 4 * q ** 3 + msign_iters * 6 * q ** 3 + 4 * q ** 3
+
+
+def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_iters=7):
+    """FLOPs (2 per multiply-add, symmetric products counted in full) of the constrained
+    matrices' direction + retraction per step, warm-started (every step but the first).
 
     published: 22 msign x 10 Polar-Express iterations per matrix (20 dual steps, the final
     direction, the retraction), plus the dual steps' products.
-    ours: square Stiefel by one dual evaluation (two msigns); tall banks (rows >= 2 cols) by
-    ADMM in span[W, G] coefficients: K = V^T V once (4 p q^2), per iteration a Polar Express
-    on the q x q Gram (4 q^3 per step), the q x q sign (3 q^3 per step) and ~12 q^3 of
-    coefficient algebra, then A = V c (2 p q^2); other shapes by ADMM on p x q matrices;
-    retraction by 3 Newton-Schulz steps (4 p q^2 each).
+    ours, p x q tall (p >= 2q), the 2q x q reduced problem of manifolds/span.py:
+      K = V^T V (8 p q^2), Schur complement and Cholesky (~2.3 q^3), ||Proj_T G||_op
+      (14 q^3), warm start (4 q^3 + a polar factor), per ADMM iteration one spectral clip
+      (`clip_flops`; the tangent projection at [D; 0] is O(q^2)), the multiplier and residual
+      (8 q^3), the lift V c (4 p q^2 + 3 q^3), the exact final projection and spectral
+      normalisation (6 p q^2 + 10 q^3), the retraction (3 Newton-Schulz steps, 12 p q^2);
+    ours, square Stiefel: one dual evaluation (2 p q^2 + msign + residual), a 2-step polish,
+      the final projection and the retraction;
+    ours, other shapes (near-square, not reduced): ADMM on p x q with the polynomial clip.
     """
     published = ours = 0
     for key, (rows, cols) in muon_shapes(n_embd, n_layer).items():
@@ -165,16 +201,17 @@ def flop_model(n_embd, n_layer, assignment, ours_iterations, msign_iters=7):
         p, q = max(rows, cols), min(rows, cols)
         published += n_layer * ((PUBLISHED["dual_steps"] + 2) * msign_flops(p, q, PUBLISHED["msign_iters"])
                                 + 2 * PUBLISHED["dual_steps"] * 6 * p * q * q)
-        iterations = ours_iterations.get(key, 8)
+        iterations = ours_iterations.get(key, 6)
+        finish = 6 * p * q * q + 10 * q ** 3 + 12 * p * q * q  # final projection, ||A||_op, retraction
         if manifold == "stiefel" and p == q:
-            solve = 2 * msign_flops(p, q, msign_iters) + 12 * p * q * q
+            solve = 2 * p * q * q + msign_flops(p, q, msign_iters) + 2 * q ** 3 + 8 * q ** 3
         elif p >= 2 * q:
-            per_iteration = 2 * (4 * msign_iters * q ** 3 + 3 * msign_iters * q ** 3 + 12 * q ** 3)
-            solve = 2 * (4 * p * q * q + 2 * p * q * q) + iterations * per_iteration
+            solve = (8 * p * q * q + 2.3 * q ** 3 + 14 * q ** 3 + 4 * q ** 3 + clip_flops(q, clip)
+                     + iterations * clip_flops(q, clip) + 8 * q ** 3 + 4 * p * q * q + 3 * q ** 3)
         else:
             per_iteration = msign_flops(p, q, msign_iters) + msign_flops(q, q, msign_iters) + 12 * p * q * q
-            solve = iterations * per_iteration
-        ours += n_layer * (solve + 3 * 4 * p * q * q + 8 * p * q * q)  # + retraction, final projection
+            solve = 2 * iterations * per_iteration
+        ours += n_layer * (solve + finish)
     return published, ours
 
 
@@ -210,23 +247,28 @@ def main():
         for name, weights in (("published", w_pub), ("ours", w_ours))}
     stats = opt.stats()
     results["ours_iterations"] = stats
-    iterations = {name.split(":")[0]: s["iterations"] for name, s in stats.items()}
-    pub_flops, our_flops = flop_model(768, 12, assignment, iterations)
-    results["gpt2_small_flops_per_step"] = {"published": pub_flops, "ours": our_flops,
-                                            "ratio": pub_flops / max(our_flops, 1)}
+    iterations = {name.split("/")[0]: s["iterations"] for name, s in stats.items()}
+    pub_flops, our_flops = flop_model(768, 12, assignment, iterations, "eigh")
+    _, poly_flops = flop_model(768, 12, assignment, iterations, "polynomial")
+    results["gpt2_small_flops_per_step"] = {"published": pub_flops, "ours (eigh clip)": our_flops,
+                                            "ours (polynomial clip)": poly_flops,
+                                            "ratio (eigh)": pub_flops / max(our_flops, 1),
+                                            "ratio (polynomial)": pub_flops / max(poly_flops, 1)}
     print(f"{args.assign}, n_embd {args.n_embd}, {args.n_layer} layers, {args.device}:")
     for name, t in results["seconds_per_step"].items():
         print(f"  {name:10s} {1000 * t:9.1f} ms/step   ({med(t_pub) / t:5.2f}x vs published)")
     print(f"  manifold violation after the steps: {json.dumps(results['violation_after_steps'])}")
     print(f"  our solver iterations (last step): {json.dumps(stats)}")
-    print(f"  FLOP model, GPT-2 small (768 x 12, {args.assign}): published {pub_flops / 1e12:.1f} TFLOP, "
-          f"ours {our_flops / 1e12:.2f} TFLOP per step ({pub_flops / max(our_flops, 1):.1f}x less)")
+    print(f"  FLOP model, GPT-2 small (768 x 12, {args.assign}, warm-started step): published "
+          f"{pub_flops / 1e12:.1f} TFLOP; ours {our_flops / 1e12:.2f} TFLOP with the eigh clip "
+          f"({pub_flops / max(our_flops, 1):.1f}x less), {poly_flops / 1e12:.2f} TFLOP with the polynomial "
+          f"clip ({pub_flops / max(poly_flops, 1):.1f}x less)")
     if args.quality:
         results["quality"] = quality_report(banks, args)
         for row in results["quality"]:
             print(f"  {row['bank']:9s} {row['manifold']:7s} {tuple(row['shape'])} reference gap {row['reference_gap']:.0e}: "
                   + "  ".join(f"{n} {row[n]['quality']:.4f} (res {row[n]['residual']:.0e})"
-                              for n in ("published", "ours", "ours-20")))
+                              for n in ("published", "ours", "ours-cold", "ours-20")))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -16,9 +16,12 @@ normalised first (msign ignores scale, the dual problem does not).
   square Stiefel; fast on flat spectra; slow or stalling elsewhere (see choose_solver).
 * "admm": on  max <G, B>  s.t.  B in the tangent space, Z in the unit spectral ball, B = Z:
       B <- Proj_T(Z - U + G / rho);  Z <- clip(B + U);  U <- U + B - Z,
-  where clip caps singular values at 1 (two msign evaluations, see `spectral_clip`). It
-  converges where the dual optimum is degenerate (the optimal A keeps singular values
-  below 1: square DGram, near-square Stiefel) or ill-conditioned (spiky gradient spectra).
+  where clip caps singular values at 1 (`spectral_clip`: an eigendecomposition of the q x q
+  Gram on CPU, two Polar Express evaluations on GPU). It converges where the dual optimum
+  is degenerate (the optimal A keeps singular values below 1: square DGram, near-square
+  Stiefel) or ill-conditioned (spiky gradient spectra). Tall banks (rows >= 2 cols) run it as
+  the equivalent 2q x q problem in span[W, G] (span.py), and every step after the first
+  starts from the previous step's multiplier (`admm_iterations`).
 
 Convergence is tested on a per-matrix mask every `check_every` iterations: one host sync
 per check, not per iteration, and finished matrices stop changing.
@@ -32,26 +35,31 @@ import torch
 
 import kernels
 from manifolds.geometry import geometry
-from manifolds.span import span_admm, top_eigenvalue
+from manifolds.span import SpanReduction, top_eigenvalue
 
 
 @dataclass
 class SolverOptions:
     solver: str = "auto"        # "dual", "admm" or "auto" (by shape, see choose_solver)
     dual_steps: int = 8         # at most this many multiplier updates of dual ascent
-    admm_steps: int = 8         # at most this many ADMM iterations (twice that for rows < 2 cols)
+    admm_steps: int = 6         # at most this many ADMM iterations from a warm start; twice that
+                                # from a cold one, and twice again for rows < 2 cols
     tol: float = 1e-4           # dual: stop when rms(P(W^T A + A^T W)) / mean column norm <= tol;
                                 # admm: when the relative primal and dual residuals are <= tol
     dual_lr: float = 1.0        # dual step, relative to the preconditioned Newton-like scale
-    admm_rho: float = 0.5       # ADMM penalty, relative to the spectral norm of Proj_T(G)
+    admm_rho: float = 0.5       # ADMM penalty, relative to the spectral norm of Proj_T(G), cold start
+    admm_rho_warm: float = 0.1  # the same from a warm start (bench/RESULTS.md: the sweep)
     admm_relax: float = 1.5     # ADMM over-relaxation (1 = plain ADMM)
-    reduce: bool = True         # ADMM on tall matrices (rows >= 2 cols) in span[W, G] coefficients
+    reduce: bool = True         # ADMM on tall matrices (rows >= 2 cols) as the 2q x q problem in span[W, G]
     msign_steps: int = 5        # Polar Express iterations per matrix sign
     polish_steps: int = 2       # Newton-Schulz polish iterations per matrix sign
     check_every: int = 2        # iterations between convergence checks (host syncs)
     norm_iters: int = 8         # power iterations for the final spectral renormalisation
     backend: str = "auto"       # kernels: "triton" (fused kernels), "torch", or "auto" (triton on CUDA)
     dgram_cap: float = 1.0      # the column-norm cap C of the "dgram-cap" manifold
+    clip: str = "auto"          # ADMM's polar factor and spectral clip: "eigh" (eigendecomposition of
+                                # the q x q Gram), "polynomial" (Polar Express through `kernels`), or
+                                # "auto": eigh on CPU tensors, polynomial on GPUs and under "triton"
 
     @classmethod
     def from_kwargs(cls, **kwargs):
@@ -65,7 +73,7 @@ class SolverOptions:
 @dataclass
 class Solution:
     A: torch.Tensor             # tall orientation, tangent, ||A||_op ~= 1
-    state: torch.Tensor         # warm start: Lambda - Lambda0 (dual) or stacked (Z, rho U) (admm)
+    state: torch.Tensor         # warm start: the multiplier's correction Lambda - Lambda0 (q x q)
     residual: torch.Tensor      # per-matrix relative tangent residual before the final projection
     iterations: int             # iterations run (the same for the whole batch)
 
@@ -101,12 +109,43 @@ def spectral_norm(A, iters):
     return top_eigenvalue(A.mT @ A, iters).sqrt()
 
 
+def use_eigh(opts, Y):
+    """Does ADMM take its matrix functions from eigh (see SolverOptions.clip)?"""
+    if opts.clip not in ("auto", "eigh", "polynomial"):
+        raise ValueError(f"unknown clip {opts.clip!r}; valid: auto, eigh, polynomial")
+    if opts.clip == "auto":
+        # An eigendecomposition of the q x q Gram costs a few q^3 FLOPs where a Polar Express
+        # costs ~50 q^3, and is exact; on a GPU its sequential algorithm is the slower one.
+        return Y.device.type == "cpu" and opts.backend != "triton"
+    return opts.clip == "eigh"
+
+
+def gram_function(Y, f):
+    """Y Q f(lam) Q^T for Y^T Y = Q diag(lam) Q^T: a function of Y's singular values s =
+    lam^(1/2) applied on the right (f(lam) = lam^(-1/2): the polar factor)."""
+    lam, Q = torch.linalg.eigh(Y.mT @ Y)
+    return Y @ ((Q * f(lam.clamp_min(1e-30)).unsqueeze(-2)) @ Q.mT)
+
+
+def polar(Y, opts):
+    """msign(Y) = U V^T for tall Y = U S V^T."""
+    if use_eigh(opts, Y):
+        # Singular values below 1e-3 of the largest are rounding noise in Y^T Y (fp32) and
+        # would be blown up to 1; they are scaled as if they were 1e-3 (Polar Express, from a
+        # Frobenius normalisation, likewise leaves such directions short of 1).
+        return gram_function(Y, lambda lam: lam.clamp_min(1e-6 * lam.amax(dim=-1, keepdim=True)).rsqrt())
+    return kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
+
+
 def spectral_clip(Y, opts):
     """Project Y onto the unit spectral-norm ball: U min(S, 1) V^T for Y = U S V^T.
 
-    With O = msign(Y) and P = O^T Y = V S V^T (q x q, PSD), min(P, I) = (P + I - |P - I|) / 2
-    and |P - I| = sign(P - I)(P - I), the sign of a symmetric matrix being its polar factor.
+    eigh: Y Q diag(min(1, lam^(-1/2))) Q^T. polynomial: with O = msign(Y) and
+    P = O^T Y = V S V^T (q x q, PSD), min(P, I) = (P + I - |P - I|) / 2 and
+    |P - I| = sign(P - I)(P - I), the sign of a symmetric matrix being its polar factor.
     """
+    if use_eigh(opts, Y):
+        return gram_function(Y, lambda lam: lam.rsqrt().clamp_max(1.0))
     O = kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
     P = kernels.symmetric_part(O, Y, opts.backend)  # sym(O^T Y)
     eye = torch.eye(P.size(-1), dtype=P.dtype, device=P.device)
@@ -161,32 +200,56 @@ def dual_ascent(W, G, geo, correction, opts):
     return Solution(finalize(W, A, geo, d2, opts), Lambda - Lambda0, residual, k)
 
 
-def admm(W, G, geo, warm, opts):
+def admm(W, G, geo, correction, opts):
+    """ADMM on tall banks; rows >= 2 cols as the equivalent 2q x q problem in span[W, G]
+    (span.py) unless a matrix's coefficients would lose precision (one host sync per bank)."""
     d2 = geo.squared_norms(W)
     if opts.reduce and W.size(-2) >= 2 * W.size(-1):
-        # tall banks: the same iteration in span[W, G] coefficients, O(q^3) per iteration,
-        # unless the coefficients lost precision for some matrix (one host sync per bank)
-        B, Z, iterations, valid = span_admm(W, G, geo, opts)
-        if bool(valid.all()):
-            _, sumsq = geo.tangent_residual(W, Z, opts.backend, with_norm=True)
-            return Solution(finalize(W, B, geo, d2, opts), None, relative_residual(W, sumsq), iterations)
-        warm = None  # the span iteration keeps no warm start
-    GT = geo.tangent_projection(W, G, d2, opts.backend)
+        span = SpanReduction(W, G, geo)
+        if bool(span.valid.all()):
+            B, correction_new, residual, iterations = admm_iterations(span.W, span.G, geo, correction, opts,
+                                                                      span.d2, span.project)
+            B, precise = span.lift(B)
+            if bool(precise.all()):
+                return Solution(finalize(W, B, geo, d2, opts), correction_new, residual, iterations)
+    B, correction, residual, iterations = admm_iterations(W, G, geo, correction, opts)
+    return Solution(finalize(W, B, geo, d2, opts), correction, residual, iterations)
+
+
+def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
+    """(B, correction, residual, iterations) of ADMM on  max <G, B>, B tangent, ||B||_op <= 1.
+
+    Warm start: at the fixed point the scaled multiplier is rho U* = G + 2 W Lambda*, the dual
+    problem's argument, so the previous step's correction Lambda* - Lambda0 (a q x q matrix,
+    the same in any basis) restarts the iteration at U = X / rho, Z = msign(X) with
+    X = Proj_T(G) + 2 W (Lambda* - Lambda0) (Proj_T G = G + 2 W Lambda0). Cold: U = 0,
+    Z = msign(Proj_T G). `project` is the tangent projection at W when a cheaper one than
+    the generic is known (span.py), d2 the metric's squared column norms.
+    """
+    d2 = geo.squared_norms(W) if d2 is None else d2
+    if project is None:
+        project = lambda Y: geo.tangent_projection(W, Y, d2, opts.backend)  # noqa: E731
+    GT = project(G)
     # The penalty scale: rho ~ ||Proj_T G||_op balances G / rho against the unit ball for
     # both flat and spiky spectra (momentum gradients have a few dominant singular values).
-    rho = (opts.admm_rho * spectral_norm(GT, opts.norm_iters)).clamp_min(1e-30)[..., None, None]
-    if warm is None:
-        Z, U = kernels.msign(GT, opts.msign_steps, opts.polish_steps, opts.backend), torch.zeros_like(G)
-    else:  # the previous step's ball iterate and multiplier rho * U (G changes slowly)
-        Z, U = warm[..., 0, :, :], warm[..., 1, :, :] / rho
+    # Started from the previous step's multiplier, a smaller penalty (a longer dual step)
+    # converges faster; from nothing it overshoots (measured in bench/RESULTS.md).
+    penalty = opts.admm_rho if correction is None else opts.admm_rho_warm
+    rho = (penalty * spectral_norm(GT, opts.norm_iters)).clamp_min(1e-30)[..., None, None]
+    if correction is None:
+        Z, U = polar(GT, opts), torch.zeros_like(G)
+    else:
+        X = kernels.matmul_add(W, correction, GT, alpha=2.0, backend=opts.backend)
+        Z, U = polar(X, opts), X / rho
     alpha = opts.admm_relax
     active = torch.ones(W.shape[:-2], dtype=torch.bool, device=W.device)
-    # Near-square matrices (here when not reduced) have a degenerate optimum (many singular
-    # values of A* below 1) and converge more slowly: on random 48x48 DGram inputs 8
-    # iterations reach 96.6% of the optimum, 16 reach 98.8%. They get twice the budget.
-    steps = 2 * opts.admm_steps if W.size(-2) < 2 * W.size(-1) else opts.admm_steps
+    # A cold start (the first step, or a stateless steepest_direction) gets twice the budget.
+    # Near-square matrices (rows < 2 cols) have a degenerate optimum (many singular values of
+    # A* below 1) and converge more slowly: on random 48x48 DGram inputs 8 iterations reach
+    # 96.6% of the optimum, 16 reach 98.8%. They get twice the budget again.
+    steps = opts.admm_steps * (2 if correction is None else 1) * (2 if W.size(-2) < 2 * W.size(-1) else 1)
     for k in range(steps):
-        B = geo.tangent_projection(W, Z - U + G / rho, d2, opts.backend)
+        B = project(Z - U + G / rho)
         relaxed = alpha * B + (1 - alpha) * Z  # over-relaxation: same fixed point, fewer iterations
         Z_new = spectral_clip(relaxed + U, opts)
         U_new = U + relaxed - Z_new
@@ -197,10 +260,12 @@ def admm(W, G, geo, warm, opts):
         active = active & (change > opts.tol)
         if (k + 1) % opts.check_every == 0 and not bool(active.any()):
             break
-    B = geo.tangent_projection(W, Z - U + G / rho, d2, opts.backend)
+    B = project(Z - U + G / rho)
     _, sumsq = geo.tangent_residual(W, Z, opts.backend, with_norm=True)
-    residual = relative_residual(W, sumsq)
-    return Solution(finalize(W, B, geo, d2, opts), torch.stack([Z, rho * U], dim=-3), residual, k + 1)
+    # rho U - Proj_T G = 2 W (Lambda - Lambda0): the correction, by the exact Gram-space
+    # solve P(W^T Y + Y^T W) / (d_i^2 + d_j^2) = 2 (Lambda - Lambda0) for Y = rho U - Proj_T G
+    correction = geo.preconditioned(W, rho * U - GT, d2, 0.5, opts.backend)
+    return B, correction, relative_residual(W, sumsq), k + 1
 
 
 def solve_tall(W, G, manifold, state=None, opts=None):

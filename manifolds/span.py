@@ -1,142 +1,90 @@
-"""ADMM for the steepest direction, run in the coefficients of span[W, G] (tall matrices).
+"""A tall problem (W, G: p x q, p >= 2q) solved as an equivalent 2q x q one, in span[W, G].
 
-Every ADMM iterate is a right combination of W and G: the tangent projection subtracts W M,
-the spectral clip multiplies on the right by a q x q matrix, and the updates add iterates. So
-with V = [W, G] (p x 2q) each iterate is X = V c, c = [a; b] (2q x q), and all the algebra
-needs only K = V^T V (2q x 2q, computed once):
+The optimum and every iterate of the solvers are right combinations of W and G: tangent
+projections subtract W M, matrix signs and spectral clips multiply on the right by q x q
+matrices, updates add iterates. So they stay in span[W, G], the column space of V = [W, G]
+(p x 2q). Write V = Q R with Q orthonormal (p x 2q) and R upper triangular (2q x 2q). For
+X = Q x every quantity the solvers use is the same in the coordinates x:
 
-    W^T X = K_W c           (K_W: the first q rows of K)
-    X^T X = c^T K c         (q x q)
-    Proj_T(X) = X - W M     ->  a <- a - M,  M = P(W^T X + X^T W) / (d_i^2 + d_j^2)
-    clip(X) = X h           ->  c <- c h,    h = S^(-1/2) min(S^(1/2), I), S = X^T X
+    W^T X = R_W^T x,  X^T X = x^T x,  ||X||_F = ||x||_F,  W M = Q (R_W M)
 
-The clip factor h comes from a Polar Express iteration run on the Gram matrix itself: with
-X_k = X R_k, S_k = X_k^T X_k, a step X_(k+1) = X_k (a + b S_k + c S_k^2) is
-R <- R P, S <- P S P with P = a + b S + c S^2 (all q x q), so R -> S^(-1/2) = msign's right
-factor. Then P = R S = S^(1/2), min(P, I) = (P + I - |P - I|) / 2 and |E| = sign(E) E with
-sign(E) the polar factor of the symmetric q x q matrix E = P - I.
+with R_W = R[:, :q] (its Gram R_W^T R_W = W^T W, so it is on the manifold exactly when W
+is; on it R_W = [D; 0], see SpanReduction), R_G = R[:, q:]. The problem (W, G) is the problem (R_W, R_G), 2q x q: the iterations
+cost O(q^3) whatever p is, and the row count enters only through K = V^T V = R^T R (one
+p x 2q x 2q product) and the final lift A = Q x = V (R^(-1) x).
 
-An iteration costs O(q^3), independent of the row count p: for the MLP banks (p = 4q) about a
-third of the same iteration on p x q matrices. The row count enters only through K and the
-final A = V c. Worth it when p >= 2q (below that V's columns are dependent and K singular).
+Precision: R comes from the Cholesky factor of K in fp32. When G is nearly rank-deficient
+or nearly inside span[W], V is nearly singular and the lift needs huge coefficients
+c = R^(-1) x; V c then carries a rounding error of about eps ||c||^2 ||K|| against ||V c||^2.
+`lift` reports, per matrix, whether that error is below 1e-3 of the signal; the caller solves
+such a bank on the full matrices instead (seen in training: an attention matrix at lr 0.2).
 """
 import torch
 
-import kernels
-from kernels.matrix_sign import NEWTON_SCHULZ, polar_express_coefficients
 
+class SpanReduction:
+    """The 2q x q problem (W', G') equivalent to a tall bank (W, G: (..., p, q)), W on its manifold.
 
-def gram_polar_factor(S, steps, polish_steps):
-    """R with X R ~= msign(X), from S = X^T X alone (q x q, symmetric PSD)."""
-    eye = torch.eye(S.size(-1), dtype=S.dtype, device=S.device)
-    # Frobenius normalisation of X: ||X||_F^2 = tr(S); the 1.02 of the Polar Express tuning
-    scale = (torch.diagonal(S, dim1=-2, dim2=-1).sum(-1) * 1.02 ** 2).clamp_min(1e-30)[..., None, None]
-    S = S / scale
-    R = eye.expand_as(S) / scale.sqrt()
-    for a, b, c in list(polar_express_coefficients(steps)) + [NEWTON_SCHULZ] * polish_steps:
-        P = a * eye + b * S + (c * (S @ S) if c else 0.0)
-        R = R @ P
-        S = P @ S @ P
-        S = 0.5 * (S + S.mT)  # keep it symmetric against rounding
-    return R
+    On the manifold W^T W = D^2 is diagonal (Stiefel: D = I), so the Cholesky factor of K
+    starts with R_W = [D; 0]: W' = [D; 0] and the tangent operations at W' are elementwise
+    (`project`). The rest is a block Cholesky step:
 
+        R_12 = D^-1 W^T G,   R_22^T R_22 = G^T G - R_12^T R_12   (q x q)
 
-def clip_factor(S, opts):
-    """h with X h = the projection of X onto the unit spectral-norm ball, from S = X^T X."""
-    R = gram_polar_factor(S, opts.msign_steps, opts.polish_steps)
-    eye = torch.eye(S.size(-1), dtype=S.dtype, device=S.device)
-    P = R @ S
-    P = 0.5 * (P + P.mT)  # S^(1/2)
-    E = P - eye
-    sign_E = kernels.msign(E, opts.msign_steps, opts.polish_steps, opts.backend)
-    absE = sign_E @ E
-    absE = 0.5 * (absE + absE.mT)
-    return R @ (0.5 * (P + eye - absE))
-
-
-class SpanBasis:
-    """The coefficient calculus of span[W, G] for a bank of tall W, G (..., p, q)."""
+    Off the manifold by rounding (W^T W = D^2 + O(eps)) the reduced problem differs from the
+    original by as much, which the exact final projection (dual.finalize) absorbs.
+    `valid` is False for matrices whose Schur complement has no Cholesky factor in this
+    precision (G nearly inside span[W]).
+    """
 
     def __init__(self, W, G, geo):
-        self.q = W.size(-1)
-        self.p = W.size(-2)
-        self.V = torch.cat([W, G], dim=-1)
-        self.K = self.V.mT @ self.V
-        self.K = 0.5 * (self.K + self.K.mT)
+        q = W.size(-1)
         self.geo = geo
-        d2 = torch.diagonal(self.K[..., : self.q, : self.q], dim1=-2, dim2=-1)
-        if geo.name == "stiefel":
-            d2 = torch.ones_like(d2)
-        self.pair = d2.unsqueeze(-1) + d2.unsqueeze(-2)
-        eye = torch.eye(self.q, dtype=W.dtype, device=W.device).expand(W.shape[:-2] + (self.q, self.q))
-        self.G = torch.cat([torch.zeros_like(eye), eye], dim=-2)  # G = V [0; I]
-        # ||K||_op from a few plain power steps (O(q^2) each), for `precise`
-        v = torch.ones(self.K.shape[:-1] + (1,), dtype=self.K.dtype, device=self.K.device)
+        # G scaled to columns of unit mean norm, like W's: K then measures the conditioning
+        # of V, not G's scale. The reduced G is scaled back (the solution does not depend on
+        # G's scale, a warm-start multiplier does).
+        self.G_scale = q ** 0.5 / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
+        self.V = torch.cat([W, G * self.G_scale], dim=-1)
+        K = self.V.mT @ self.V
+        K = 0.5 * (K + K.mT)
+        self.d = torch.diagonal(K[..., :q, :q], dim1=-2, dim2=-1).clamp_min(1e-30).sqrt()
+        self.d2 = geo.squared_norms(W)  # the metric's d_i^2 (Stiefel: 1, which d^2 is up to rounding)
+        self.pair = self.d2.unsqueeze(-1) + self.d2.unsqueeze(-2)
+        self.R12 = K[..., :q, q:] / self.d.unsqueeze(-1)
+        schur = K[..., q:, q:] - self.R12.mT @ self.R12
+        L, info = torch.linalg.cholesky_ex(0.5 * (schur + schur.mT))
+        self.valid = (info == 0) & torch.isfinite(L).all(dim=(-2, -1))
+        eye = torch.eye(q, dtype=K.dtype, device=K.device)
+        self.R22 = torch.where(self.valid[..., None, None], L.mT, eye)
+        self.W = torch.cat([torch.diag_embed(self.d), torch.zeros_like(self.R12)], dim=-2)
+        self.G = torch.cat([self.R12, self.R22], dim=-2) / self.G_scale
+        # ||K||_op from a few plain power steps (O(q^2) each), for `lift`'s precision test
+        v = torch.ones(K.shape[:-1] + (1,), dtype=K.dtype, device=K.device)
         for _ in range(8):
-            v = self.K @ v
+            v = K @ v
             v = v / v.norm(dim=-2, keepdim=True).clamp_min(1e-30)
-        self.K_norm = (v * (self.K @ v)).sum(dim=(-2, -1))
+        self.K_norm = (v * (K @ v)).sum(dim=(-2, -1))
 
-    def gram(self, c):
-        return c.mT @ (self.K @ c)
+    def project(self, Y):
+        """Euclidean projection onto the tangent space at W' = [D; 0]: Y - W' M with
+        M = P(D y + y^T D) / (d_i^2 + d_j^2), y the top q rows of Y. O(q^2)."""
+        q = self.d.size(-1)
+        top = Y[..., :q, :]
+        Dy = self.d.unsqueeze(-1) * top
+        M = self.geo.gram_projector(Dy + Dy.mT) / self.pair
+        return torch.cat([top - self.d.unsqueeze(-1) * M, Y[..., q:, :]], dim=-2)
 
-    def sumsq(self, c):
-        """||V c||_F^2 per matrix."""
-        return (c * (self.K @ c)).sum(dim=(-2, -1)).clamp_min(0)
-
-    def project(self, c):
-        WtX = self.K[..., : self.q, :] @ c
-        M = self.geo.gram_projector(WtX + WtX.mT) / self.pair
-        return torch.cat([c[..., : self.q, :] - M, c[..., self.q:, :]], dim=-2)
-
-    def matrix(self, c):
-        return self.V @ c
-
-    def precise(self, c, digits=3):
-        """Per matrix: is c^T K c accurate to about `digits` digits? Its rounding error is about
-        eps ||c||_F^2 ||K||_op against ||V c||_F^2."""
+    def lift(self, x):
+        """(X = V c with R c = x, precise): the full p x q matrix of coordinates x, and
+        whether it is accurate to about three digits (per matrix)."""
+        q = self.d.size(-1)
+        c_G = torch.linalg.solve_triangular(self.R22, x[..., q:, :], upper=True)
+        c_W = (x[..., :q, :] - self.R12 @ c_G) / self.d.unsqueeze(-1)
+        c = torch.cat([c_W, c_G], dim=-2)
+        X = self.V @ c
         eps = torch.finfo(c.dtype).eps
-        growth = c.square().sum(dim=(-2, -1)) * self.K_norm / self.sumsq(c).clamp_min(1e-30)
-        return torch.isfinite(growth) & (growth * eps <= 10.0 ** -digits)
-
-
-def span_admm(W, G, geo, opts):
-    """(B, Z, iterations, valid): ADMM of dual.py's `admm`, in span[W, G] coefficients; B = V c_B.
-
-    `valid` (one bool per matrix) is False where the coefficients lost the precision the
-    iteration needs. When G is nearly rank-deficient or nearly inside span[W], so is V, and
-    msign(Proj_T G) puts unit singular values on directions that V reaches only through huge
-    coefficients; a coefficient c carries a rounding error of about eps ||c||^2 ||K|| into
-    c^T K c. The caller then solves the bank on the full matrices.
-    """
-    # G scaled to columns of unit mean norm, like W's: the coefficients then measure the
-    # conditioning of V rather than G's scale (the ADMM iterates do not depend on G's scale).
-    G = G * (W.size(-1) ** 0.5 / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30))
-    basis = SpanBasis(W, G, geo)
-    rms = lambda c: (basis.sumsq(c) / (basis.p * basis.q)).sqrt()  # noqa: E731
-    GT = basis.project(basis.G)
-    S = basis.gram(GT)
-    # rho = admm_rho x ||Proj_T G||_op, from the top eigenvalue of its Gram
-    rho = (opts.admm_rho * top_eigenvalue(S, opts.norm_iters).sqrt()).clamp_min(1e-30)[..., None, None]
-    Z = GT @ gram_polar_factor(S, opts.msign_steps, opts.polish_steps)  # msign(Proj_T G)
-    U = torch.zeros_like(Z)
-    alpha = opts.admm_relax
-    active = torch.ones(W.shape[:-2], dtype=torch.bool, device=W.device)
-    k = 0
-    for k in range(opts.admm_steps):
-        B = basis.project(Z - U + basis.G / rho)
-        relaxed = alpha * B + (1 - alpha) * Z
-        Y = relaxed + U
-        Z_new = Y @ clip_factor(basis.gram(Y), opts)
-        U_new = U + relaxed - Z_new
-        change = torch.maximum(rms(B - Z_new), rms(Z_new - Z)) / rms(B).clamp_min(1e-30)
-        keep = active.reshape(active.shape + (1, 1))
-        Z, U = torch.where(keep, Z_new, Z), torch.where(keep, U_new, U)
-        active = active & (change > opts.tol)
-        if (k + 1) % opts.check_every == 0 and not bool(active.any()):
-            break
-    B = basis.project(Z - U + basis.G / rho)
-    return basis.matrix(B), basis.matrix(Z), k + 1, basis.precise(Z) & basis.precise(B)
+        growth = c.square().sum(dim=(-2, -1)) * self.K_norm / x.square().sum(dim=(-2, -1)).clamp_min(1e-30)
+        return X, self.valid & torch.isfinite(growth) & (growth * eps <= 1e-3)
 
 
 def top_eigenvalue(S, iters):

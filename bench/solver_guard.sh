@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Training-quality guard of the optimizer's cheap defaults (issue 8): the default solver
+# budget against the paper's 20 iterations, on a tiny GPT-2 (2 layers, width 64) trained for
+# 300 steps on the bundled books (../shared/corpus), hetero and all-stiefel, two seeds, on CPU.
+#   bash bench/solver_guard.sh          (SEEDS, CORPUS, OUT, VENV override the defaults)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SEEDS=${SEEDS:-"1 2"}
+CORPUS=${CORPUS:-../shared/corpus}
+OUT=${OUT:-runs/solver-guard}
+PY=${VENV:-.venv}/bin/python
+mkdir -p "$OUT"
+if [ ! -f "$OUT/data/prepare_progress.json" ]; then
+    $PY bench/split_text.py "$CORPUS"/*.txt --out "$OUT/books.jsonl"
+    $PY data/prepare.py --files "$OUT/books.jsonl" --out-dir "$OUT/data" --val-fraction 0.1 --num-proc 1
+fi
+declare -A SOLVER=([default]="" [iters20]="--admm-steps 20 --dual-steps 20")
+for setting in default iters20; do
+    for seed in $SEEDS; do
+        for assign in hetero all-stiefel; do
+            dir="$OUT/$setting/seed$seed/$assign"
+            [ -f "$dir/summary.json" ] && continue
+            # shellcheck disable=SC2086
+            $PY train_gpt2.py --assign "$assign" --data-dir "$OUT/data" --out-dir "$dir" --overwrite \
+                --n-layer 2 --n-head 2 --n-embd 64 --seq-len 128 --batch-size 8 --max-steps 300 \
+                --warmup-steps 20 --lr 3e-3 --min-lr 3e-4 --muon-lr 0.05 --eval-every 50 \
+                --eval-tokens 8192 --log-every 50 --seed "$seed" --device cpu --wandb off \
+                ${SOLVER[$setting]} "$@"
+        done
+    done
+    $PY bench/report.py "$OUT/$setting"/seed* --out "$OUT/$setting"
+done
+$PY bench/solver_guard_plot.py "$OUT"

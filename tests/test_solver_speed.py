@@ -1,0 +1,113 @@
+"""The optimizer's cheap paths (issue 8) against independent references: the 2q x q span
+reduction, the eigh and polynomial spectral clips, and the warm-started ADMM."""
+import pytest
+import torch
+
+from manifolds.dual import SolverOptions, admm_iterations, solve_tall, spectral_clip
+from manifolds.geometry import geometry
+from manifolds.span import SpanReduction
+from reference import optimum, quality, random_point
+
+
+def momentum_sequence(W, seed, steps=4, rank_decay=1.0):
+    """Gradients with a power-law spectrum drifting slowly, like a momentum buffer."""
+    g = torch.Generator().manual_seed(seed)
+    p, q = W.shape
+    U = torch.linalg.qr(torch.randn(p, q, generator=g))[0]
+    V = torch.linalg.qr(torch.randn(q, q, generator=g))[0]
+    base = (U * torch.arange(1, q + 1) ** -rank_decay) @ V.T
+    return [base + 0.05 * torch.randn(p, q, generator=g) / q ** 0.5 for _ in range(steps)]
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_span_reduction_is_an_isometry_onto_span_w_g(manifold):
+    W, G = random_point((96, 24), manifold, seed=1)
+    span = SpanReduction(W[None], G[None], geometry(manifold))
+    assert bool(span.valid.all())
+    # the reduced W is [D; 0] with D the column norms, and the lift maps it and G back
+    d = W.norm(dim=0)
+    assert torch.allclose(span.W[0, :24], torch.diag(d), atol=1e-5)
+    assert span.W[0, 24:].abs().max() == 0
+    lifted_W, precise_W = span.lift(span.W)
+    lifted_G, precise_G = span.lift(span.G)
+    assert bool(precise_W.all()) and bool(precise_G.all())
+    assert torch.allclose(lifted_W[0], W, atol=1e-5)
+    assert torch.allclose(lifted_G[0], G, atol=1e-5)
+    # inner products are kept: X^T Y of lifted coordinates equals x^T y
+    x, y = torch.randn(2, 1, 48, 24).unbind(0)
+    X, _ = span.lift(x)
+    Y, _ = span.lift(y)
+    assert torch.allclose(X.mT @ Y, x.mT @ y, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_span_projection_equals_the_full_tangent_projection(manifold):
+    W, G = random_point((96, 24), manifold, seed=2)
+    geo = geometry(manifold)
+    span = SpanReduction(W[None], G[None], geo)
+    x = torch.randn(1, 48, 24)
+    X, _ = span.lift(x)
+    full = geo.tangent_projection(W[None], X)
+    reduced, _ = span.lift(span.project(x))
+    assert torch.allclose(reduced, full, atol=1e-4)
+
+
+@pytest.mark.parametrize("clip", ["eigh", "polynomial"])
+def test_spectral_clip_matches_the_svd(clip):
+    g = torch.Generator().manual_seed(3)
+    U = torch.linalg.qr(torch.randn(3, 64, 32, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(3, 32, 32, generator=g, dtype=torch.float64))[0]
+    s = torch.linspace(0.05, 3.0, 32, dtype=torch.float64)  # half below 1, half clipped
+    Y = (U * s) @ V.mT
+    exact = (U * s.clamp_max(1.0)) @ V.mT
+    clipped = spectral_clip(Y.float(), SolverOptions(clip=clip)).double()
+    tolerance = 1e-4 if clip == "eigh" else 3e-2  # the polynomial clip is approximate near 1
+    assert (clipped - exact).abs().max() < tolerance
+
+
+def test_unknown_clip_is_rejected():
+    W, G = random_point((36, 12), "stiefel", seed=6)
+    with pytest.raises(ValueError, match="unknown clip"):
+        solve_tall(W, G, "stiefel", None, SolverOptions(clip="svd"))
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_warm_start_from_the_optimal_multiplier_is_near_optimal_at_once(manifold):
+    # A long cold solve returns the correction Lambda* - Lambda0; restarting from it, one
+    # ADMM iteration must already give the optimum. Wrong units or signs of the stored
+    # multiplier (or a basis-dependent one) make this first iterate poor.
+    W, _ = random_point((96, 24), manifold, seed=4)
+    G = momentum_sequence(W, seed=4)[0]
+    opt, _ = optimum(W, G, manifold, iters=1500)
+    converged = solve_tall(W[None], G[None], manifold, None, SolverOptions(admm_steps=60, tol=0))
+    assert converged.state.shape == (1, 24, 24)
+    one = solve_tall(W[None], G[None], manifold, converged.state, SolverOptions(admm_steps=1, tol=0))
+    cold_one = solve_tall(W[None], G[None], manifold, None, SolverOptions(admm_steps=1, tol=0))
+    assert quality(W, G, one.A[0], opt) >= 0.999
+    assert quality(W, G, one.A[0], opt) > quality(W, G, cold_one.A[0], opt) + 0.01
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_warm_started_defaults_reach_half_a_percent_of_the_optimum(manifold):
+    W, _ = random_point((128, 32), manifold, seed=5)
+    state = None
+    for G in momentum_sequence(W, seed=5):
+        solution = solve_tall(W[None], G[None], manifold, state, SolverOptions())
+        state = solution.state
+    opt, _ = optimum(W, G, manifold, iters=1500)
+    assert quality(W, G, solution.A[0], opt) >= 0.995
+    H = geometry(manifold).tangent_residual(W.double(), solution.A[0].double())
+    assert H.square().mean().sqrt() / W.double().norm(dim=0).mean() <= 2e-3
+
+
+def test_reduced_and_full_admm_agree():
+    # the same iteration on the 2q x q reduced problem and on the p x q matrices
+    W, G = random_point((96, 24), "dgram", seed=6)
+    geo = geometry("dgram")
+    opts = SolverOptions(admm_steps=5, tol=0)
+    G = G / G.norm()
+    span = SpanReduction(W[None], G[None], geo)
+    B_reduced, corr_reduced, _, _ = admm_iterations(span.W, span.G, geo, None, opts, span.d2, span.project)
+    B_full, corr_full, _, _ = admm_iterations(W[None], G[None], geo, None, opts)
+    assert torch.allclose(span.lift(B_reduced)[0], B_full, atol=2e-4)
+    assert torch.allclose(corr_reduced, corr_full, atol=2e-4)
