@@ -96,6 +96,9 @@ def parse_args(argv=None):
     t.add_argument("--warmup-steps", type=int, default=1000, help="linear warmup steps")
     t.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate (embeddings, norms)")
     t.add_argument("--min-lr", type=float, default=6e-5, help="AdamW learning rate at the end of the cosine")
+    t.add_argument("--optimizer", choices=("muon", "adamw"), default="muon",
+                   help="muon: the transformer blocks' matrices by ManifoldMuon (--assign), the rest by AdamW; "
+                        "adamw: every parameter by AdamW at --lr (the baseline; needs --assign unconstrained)")
     t.add_argument("--muon-lr", type=float, default=0.02,
                    help="peak spectral-norm step of the Muon matrices; follows the AdamW schedule's shape")
     t.add_argument("--momentum", type=float, default=0.95, help="Muon Nesterov momentum")
@@ -107,6 +110,9 @@ def parse_args(argv=None):
     t.add_argument("--admm-steps", type=int, default=6,
                    help="most iterations of the ADMM solver (all other constrained matrices) from the previous "
                         "step's warm start; twice that from a cold start and again for near-square matrices")
+    t.add_argument("--clip", choices=("auto", "eigh", "polynomial"), default="auto",
+                   help="ADMM's polar factor and spectral clip: eigendecomposition of the q x q Gram, or "
+                        "Polar Express kernels; auto = eigh on CPU, polynomial on GPU")
     t.add_argument("--solver", choices=("auto", "dual", "admm"), default="auto",
                    help="steepest-direction solver; auto picks by shape and manifold")
     t.add_argument("--kernels", choices=KERNEL_BACKENDS, default="auto",
@@ -156,6 +162,9 @@ def validate_args(args):
     for name in ("auto_logit_max", "auto_saturation", "auto_sigma_growth"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be non-negative (0 = off), got {getattr(args, name)}")
+    if args.optimizer == "adamw" and args.assign.strip() != "unconstrained":
+        raise UserError(f"--optimizer adamw trains no matrix on a manifold: pass --assign unconstrained "
+                        f"(got --assign {args.assign})")
     if args.assign.strip() == "auto":
         if args.auto_base.strip() == "auto":
             raise UserError("--auto-base must be a preset or key=manifold spec, not auto")
@@ -451,11 +460,14 @@ def project_plan(plan, args, only=None):
 
 def build_optimizers(model, args, device, auto=None):
     plan = matrix_plan(model, layer_assignments(args, auto))
-    muon_ids = {id(p) for _, p, _, _ in plan}
     project_plan(plan, args)  # initialisation: project the GPT-2 init onto the manifolds
-    muon = ManifoldMuon(muon_groups(plan), lr=args.muon_lr, momentum=args.momentum, nesterov=True,
+    # --optimizer adamw: the Muon optimizer keeps one empty group (the loop stays the same)
+    groups = muon_groups(plan) if args.optimizer == "muon" else [{"params": [], "manifold": "none"}]
+    muon_ids = {id(p) for group in groups for p in group["params"]}
+    muon = ManifoldMuon(groups, lr=args.muon_lr, momentum=args.momentum, nesterov=True,
                         weight_decay=args.weight_decay, solver=args.solver, dual_steps=args.dual_steps,
-                        admm_steps=args.admm_steps, backend=args.kernels, dgram_cap=args.dgram_cap)
+                        admm_steps=args.admm_steps, backend=args.kernels, dgram_cap=args.dgram_cap,
+                        clip=args.clip)
     rest = [p for p in model.parameters() if id(p) not in muon_ids]
     adamw_groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
                     {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]

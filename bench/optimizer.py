@@ -226,6 +226,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="precision of the published algorithm's msign (ours keeps fp32 master weights)")
+    ap.add_argument("--clip", default="auto", choices=("auto", "eigh", "polynomial"),
+                    help="our ADMM's spectral clip (auto: eigh on CPU, polynomial on GPU)")
     ap.add_argument("--quality", action="store_true", help="also measure direction quality (slow)")
     ap.add_argument("--reference-iters", type=int, default=800)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -237,8 +239,8 @@ def main():
 
     results = {"config": {k: str(v) for k, v in vars(args).items()}}
     t_pub, w_pub = time_published(banks, args, device)
-    t_ours, w_ours, opt = time_ours(banks, args, device)
-    t_20, _, _ = time_ours(banks, args, device, dual_steps=20, admm_steps=20)
+    t_ours, w_ours, opt = time_ours(banks, args, device, clip=args.clip)
+    t_20, _, _ = time_ours(banks, args, device, dual_steps=20, admm_steps=20, clip=args.clip)
     med = lambda t: sorted(t)[len(t) // 2]  # noqa: E731
     results["seconds_per_step"] = {"published": med(t_pub), "ours": med(t_ours), "ours-20": med(t_20)}
     results["speedup_vs_published"] = {"ours": med(t_pub) / med(t_ours), "ours-20": med(t_pub) / med(t_20)}

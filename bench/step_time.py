@@ -5,8 +5,9 @@
 
 Builds train_gpt2.GPT (GPT-2 small by default), runs forward+backward of a --batch x --seq-len
 token batch (random tokens; split into --micro-batch pieces to bound memory), then times the
-ManifoldMuon step on the real gradients for each --assign given, as the trainer runs it, and
-prints optimizer ms / forward+backward ms. Medians of --repeat timed runs after a warm-up.
+ManifoldMuon step on the real gradients for each --assign given, as the trainer runs it (warm
+started after the first step), for each kernel backend and ADMM clip, and prints optimizer ms /
+forward+backward ms. Medians of --repeat timed runs after a warm-up.
 """
 import argparse
 import json
@@ -43,6 +44,8 @@ def main():
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--kernels", nargs="+", default=["auto", "torch"], help="optimizer kernel backends to time")
+    ap.add_argument("--clips", nargs="+", default=["auto", "eigh"],
+                    help="ADMM spectral clips to time (auto = polynomial on GPU; eigh = eigendecomposition)")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -72,17 +75,19 @@ def main():
         results[assign] = {"forward_backward_ms": 1000 * fb}
         print(f"{assign:14s} forward+backward {1000 * fb:8.1f} ms", flush=True)
         for backend in args.kernels:
-            for group in muon.param_groups:
-                group["backend"] = backend
-            try:
-                opt = timed(muon.step, device, args.repeat)
-            except Exception as err:  # report and go on with the other backends
-                results[assign][backend] = {"error": f"{type(err).__name__}: {err}"}
-                print(f"{assign:14s} kernels {backend}: FAILED {type(err).__name__}: {err}", flush=True)
-                continue
-            results[assign][backend] = {"muon_step_ms": 1000 * opt, "ratio": opt / fb, "solver": muon.stats()}
-            print(f"{assign:14s} kernels {backend:6s} Muon step {1000 * opt:8.1f} ms | "
-                  f"optimizer / fwd+bwd = {100 * opt / fb:5.1f}%", flush=True)
+            for clip in args.clips:
+                name = backend if clip == "auto" else f"{backend}+{clip}"
+                for group in muon.param_groups:
+                    group["backend"], group["clip"] = backend, clip
+                try:
+                    opt = timed(muon.step, device, args.repeat)
+                except Exception as err:  # report and go on with the other settings
+                    results[assign][name] = {"error": f"{type(err).__name__}: {err}"}
+                    print(f"{assign:14s} kernels {name}: FAILED {type(err).__name__}: {err}", flush=True)
+                    continue
+                results[assign][name] = {"muon_step_ms": 1000 * opt, "ratio": opt / fb, "solver": muon.stats()}
+                print(f"{assign:14s} kernels {name:12s} Muon step {1000 * opt:8.1f} ms | "
+                      f"optimizer / fwd+bwd = {100 * opt / fb:5.1f}%", flush=True)
         del model, muon, adamw, step_model
         torch.cuda.empty_cache() if device.type == "cuda" else None
     if args.out:

@@ -45,6 +45,21 @@ def test_loss_decreases_for_every_preset(preset, data_dir, tmp_path):
         assert violation <= 1e-4, (manifold, violation)
 
 
+def test_adamw_only_baseline_trains_every_matrix_with_adamw(data_dir, tmp_path):
+    args = train_gpt2.parse_args(["--data-dir", data_dir, *TINY_MODEL, "--optimizer", "adamw",
+                                  "--assign", "unconstrained"])
+    train_gpt2.validate_args(args)
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
+                                                args.vocab_size))
+    muon, adamw = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
+    assert not any(group["params"] for group in muon.param_groups)
+    in_adamw = {id(p) for group in adamw.param_groups for p in group["params"]}
+    assert in_adamw == {id(p) for p in model.parameters()}
+    summary = train(data_dir, tmp_path, "--optimizer", "adamw", "--assign", "unconstrained", "--max-steps", "30",
+                    "--warmup-steps", "5", "--lr", "3e-3", "--eval-every", "30", "--eval-tokens", "1024")
+    assert summary["status"] == "completed" and summary["final_val_loss"] < 5.0
+
+
 def test_outputs_and_their_fields(data_dir, tmp_path):
     summary = train(data_dir, tmp_path, "--assign", "hetero", "--max-steps", "6", "--eval-every", "3",
                     "--eval-tokens", "512", "--warmup-steps", "2")
@@ -118,6 +133,7 @@ def test_bad_assign_is_a_clean_error(spec, data_dir, tmp_path):
     (["--muon-lr", "0"], "--muon-lr must be positive"),
     (["--lr", "-1"], "--lr must be positive"),
     (["--data-dir", "/nonexistent/shards"], "does not exist"),
+    (["--optimizer", "adamw"], "pass --assign unconstrained"),
 ])
 def test_bad_flags_are_clean_errors(flags, message, data_dir, tmp_path):
     result = run_cli("--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *TINY_MODEL, *flags)
