@@ -4,7 +4,7 @@
 #   2. bench/kernels.py in bf16 (the kernel issue's targets)
 #   3. bench/step_time.py and bench/optimizer.py (optimizer cost against forward+backward and
 #      against the published algorithm, GPT-2 small)
-#   4. a 40-step GPT-2 small training run with --compile on random tokens (the GPU code path)
+#   4. bench/throughput.py (whole steps: hetero vs plain Muon vs AdamW) and a 40-step GPT-2 small training run with --compile on random tokens (the GPU code path)
 # Run from the repository root; logs and JSON go to $OUT (default bench/gpu_check_out).
 #   OUT=/tmp/out bash bench/gpu_check.sh
 # Each step has a time limit, so the whole check stays under 10 minutes even when a step hangs;
@@ -37,12 +37,14 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, tee the log, re
 step pytest 100 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=10 tests/test_kernels.py
 step bench_bf16 70 "$PYTHON" bench/kernels.py --dtypes bf16 --out "$OUT/bench_bf16.json"
 # issue 8: Muon step vs forward+backward of 64 x 1024 tokens, GPT-2 small; published vs ours
-step step_time 120 "$PYTHON" bench/step_time.py --out "$OUT/step_time.json"
+step step_time 130 "$PYTHON" bench/step_time.py --kernels auto torch --clips auto eigh --out "$OUT/step_time.json"
 step optimizer 100 "$PYTHON" bench/optimizer.py --n-embd 768 --n-layer 12 --device cuda --dtype bfloat16 \
     --steps 2 --warmup 1 --out "$OUT/optimizer.json"
+step throughput 50 "$PYTHON" bench/throughput.py --n-layer 12 --n-embd 768 --n-head 12 --batch 16 --seq-len 1024 \
+    --rounds 3 --out "$OUT/throughput.json"
 # the trainer's GPU path end to end: bf16 autocast, torch.compile, Triton kernels, checkpoint
 "$PYTHON" bench/make_synthetic_shards.py /tmp/gpu_shards --tokens 4000000 > /dev/null
-step train 150 "$PYTHON" train_gpt2.py --data-dir /tmp/gpu_shards --out-dir /tmp/gpu_run --assign hetero \
+step train 130 "$PYTHON" train_gpt2.py --data-dir /tmp/gpu_shards --out-dir /tmp/gpu_run --assign hetero \
     --batch-size 16 --max-steps 40 --warmup-steps 5 --eval-every 20 --eval-tokens 131072 --log-every 5 \
     --ckpt-every 20 --compile --overwrite
 cp /tmp/gpu_run/metrics.jsonl /tmp/gpu_run/summary.json "$OUT/" 2>/dev/null || true
