@@ -4,7 +4,8 @@
 #   2. bench/kernels.py in bf16 (the kernel issue's targets)
 #   3. bench/step_time.py and bench/optimizer.py (optimizer cost against forward+backward and
 #      against the published algorithm, GPT-2 small)
-#   4. bench/throughput.py (whole steps: hetero vs plain Muon vs AdamW) and a 40-step GPT-2 small training run with --compile on random tokens (the GPU code path)
+#   4. bench/throughput.py (whole steps: hetero vs plain Muon vs AdamW), then a 40-step GPT-2
+#      small training run with --compile on random tokens (the GPU code path)
 # Run from the repository root; logs and JSON go to $OUT (default bench/gpu_check_out).
 #   OUT=/tmp/out bash bench/gpu_check.sh
 # Each step has a time limit, so the whole check stays under 10 minutes even when a step hangs;

@@ -204,6 +204,8 @@ def admm(W, G, geo, correction, opts):
     """ADMM on tall banks; rows >= 2 cols as the equivalent 2q x q problem in span[W, G]
     (span.py) unless a matrix's coefficients would lose precision (one host sync per bank)."""
     d2 = geo.squared_norms(W)
+    if correction is not None and correction.shape[-2:] != (W.size(-1),) * 2:
+        correction = None  # another solver's state (checkpoints of earlier versions kept (Z, rho U))
     if opts.reduce and W.size(-2) >= 2 * W.size(-1):
         span = SpanReduction(W, G, geo)
         if bool(span.valid.all()):
