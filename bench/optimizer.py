@@ -81,6 +81,15 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+# (name, cold, solver options): each row adds one lever to the row before; the last is the default
+LEVERS = (
+    ("ADMM on p x q, Polar Express clip, cold (12 iterations)", True, dict(reduce=False, clip="polynomial")),
+    ("+ tall banks as the 2q x q problem in span[W, G]", True, dict(clip="polynomial")),
+    ("+ eigh clip", True, dict(clip="eigh")),
+    ("+ warm start from the last multiplier, 6 iterations", False, dict(clip="eigh")),
+)
+
+
 def time_published(banks, args, device):
     weights = {b["key"]: [w.clone() for w in b["W"]] for b in banks}
     times = []
@@ -99,7 +108,8 @@ def time_published(banks, args, device):
     return times[args.warmup:], weights
 
 
-def time_ours(banks, args, device, **solver):
+def time_ours(banks, args, device, cold=False, **solver):
+    """cold: forget the warm starts before every step (every step is a first step)."""
     params = {b["key"]: [torch.nn.Parameter(w.clone()) for w in b["W"]] for b in banks}
     groups = [{"params": params[b["key"]], "manifold": b["manifold"], "name": b["key"]} for b in banks]
     opt = ManifoldMuon(groups, lr=args.lr, momentum=0.0, nesterov=False, **solver)
@@ -108,6 +118,10 @@ def time_ours(banks, args, device, **solver):
         for bank in banks:
             for p, g in zip(params[bank["key"]], bank["G"][step]):
                 p.grad = g
+        if cold:
+            for state in opt.state.values():
+                for key in [k for k in state if k.startswith("dual")]:
+                    del state[key]
         sync(device)
         t0 = time.perf_counter()
         opt.step()
@@ -228,6 +242,7 @@ def main():
                     help="precision of the published algorithm's msign (ours keeps fp32 master weights)")
     ap.add_argument("--clip", default="auto", choices=("auto", "eigh", "polynomial"),
                     help="our ADMM's spectral clip (auto: eigh on CPU, polynomial on GPU)")
+    ap.add_argument("--levers", action="store_true", help="also time the levers one by one (LEVERS)")
     ap.add_argument("--quality", action="store_true", help="also measure direction quality (slow)")
     ap.add_argument("--reference-iters", type=int, default=800)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -242,6 +257,13 @@ def main():
     t_ours, w_ours, opt = time_ours(banks, args, device, clip=args.clip)
     t_20, _, _ = time_ours(banks, args, device, dual_steps=20, admm_steps=20, clip=args.clip)
     med = lambda t: sorted(t)[len(t) // 2]  # noqa: E731
+    if args.levers:  # the optimizer's levers added one at a time, timed against the published step
+        results["levers"] = {}
+        for name, cold, solver in LEVERS:
+            t, _, _ = time_ours(banks, args, device, cold=cold, **solver)
+            results["levers"][name] = {"seconds_per_step": med(t), "speedup_vs_published": med(t_pub) / med(t)}
+            print(f"  lever: {name:55s} {1000 * med(t):9.1f} ms/step  ({med(t_pub) / med(t):5.2f}x vs published)",
+                  flush=True)
     results["seconds_per_step"] = {"published": med(t_pub), "ours": med(t_ours), "ours-20": med(t_20)}
     results["speedup_vs_published"] = {"ours": med(t_pub) / med(t_ours), "ours-20": med(t_pub) / med(t_20)}
     results["violation_after_steps"] = {
