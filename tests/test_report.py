@@ -101,3 +101,18 @@ def test_seeds_of_one_assignment_are_summarised(tmp_path):
     assert hetero == ["`hetero`", "2", "5.6000 ± 0.1414", "5.5000 – 5.7000", "0/2", "4.0", "0.90"]
     assert "6.0000 (auto: layer 1 at step 5)" in text
     assert "`hetero (s1)`" in text and "`hetero (s2)`" in text
+
+
+def test_solver_guard_table_gives_the_setting_gap_and_the_seed_spread(tmp_path):
+    from bench import solver_guard_plot
+    finals = {("default", "seed1"): 5.40, ("default", "seed2"): 5.43,
+              ("iters20", "seed1"): 5.41, ("iters20", "seed2"): 5.42}
+    for (setting, seed), val in finals.items():
+        fake_run(tmp_path / setting / seed / "hetero", "hetero", [(5, 6.0, 3.0, 1.0, 2.0), (10, val, 3.0, 1.0, 2.0)],
+                 {"status": "completed", "steps": 10, "tokens": 10000, "final_val_loss": val, "diverged": None},
+                 started=1000)
+    solver_guard_plot.main([str(tmp_path)])
+    row = open(tmp_path / "guard.md").read().splitlines()[-1]
+    # gap: max over seeds of |default - iters20| = 0.01; spread: max over settings of max - min = 0.03
+    assert row == "| hetero | 5.4000, 5.4300 | 5.4100, 5.4200 | 0.0100 | 0.0300 |"
+    assert (tmp_path / "guard.png").stat().st_size > 0
