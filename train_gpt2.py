@@ -197,6 +197,16 @@ def init_distributed(args):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(local_rank)
+    # Before init_process_group, on purpose: the functions of torch.distributed.nn.functional take
+    # `group=group.WORLD` as a default argument, evaluated at import. DDP's constructor imports it
+    # (through torch._dynamo); imported after the group exists, those defaults hold the default group
+    # for good, destroy_process_group() cannot free it and its gloo threads live on until interpreter
+    # shutdown destroys it. A gloo worker thread still dropping its last finished collective then
+    # (a descheduled thread on a busy machine) needs the GIL for the tensors' Python objects; Python
+    # ends such a thread with pthread_exit, whose unwinding through a noexcept destructor calls
+    # std::terminate: "terminate called without an active exception", SIGABRT after `done:`.
+    # Imported now, the defaults are None and destroy_process_group() joins those threads.
+    import torch.distributed.nn.functional  # noqa: F401
     dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=20))
     return DistEnv(rank, local_rank, world_size)
 
