@@ -207,7 +207,7 @@ def admm(W, G, geo, correction, opts):
     if correction is not None and correction.shape[-2:] != (W.size(-1),) * 2:
         correction = None  # another solver's state (checkpoints of earlier versions kept (Z, rho U))
     if opts.reduce and W.size(-2) >= 2 * W.size(-1):
-        span = SpanReduction(W, G, geo)
+        span = SpanReduction(W, G, geo, d2)
         if bool(span.valid.all()):
             B, correction_new, residual, iterations = admm_iterations(span.W, span.G, geo, correction, opts,
                                                                       span.d2, span.project)

@@ -9,8 +9,8 @@ X = Q x every quantity the solvers use is the same in the coordinates x:
     W^T X = R_W^T x,  X^T X = x^T x,  ||X||_F = ||x||_F,  W M = Q (R_W M)
 
 with R_W = R[:, :q] (its Gram R_W^T R_W = W^T W, so it is on the manifold exactly when W
-is; on it R_W = [D; 0], see SpanReduction), R_G = R[:, q:]. The problem (W, G) is the problem (R_W, R_G), 2q x q: the iterations
-cost O(q^3) whatever p is, and the row count enters only through K = V^T V = R^T R (one
+is; on it R_W = [D; 0], see SpanReduction), R_G = R[:, q:]. The problem (W, G) is the
+problem (R_W, R_G), 2q x q: the iterations cost O(q^3) whatever p is, and the row count enters only through K = V^T V = R^T R (one
 p x 2q x 2q product) and the final lift A = Q x = V (R^(-1) x).
 
 Precision: R comes from the Cholesky factor of K in fp32. When G is nearly rank-deficient
@@ -37,7 +37,8 @@ class SpanReduction:
     precision (G nearly inside span[W]).
     """
 
-    def __init__(self, W, G, geo):
+    def __init__(self, W, G, geo, d2):
+        """d2: the metric's squared column norms of W (geo.squared_norms; Stiefel: 1)."""
         q = W.size(-1)
         self.geo = geo
         # G scaled to columns of unit mean norm, like W's: K then measures the conditioning
@@ -48,7 +49,7 @@ class SpanReduction:
         K = self.V.mT @ self.V
         K = 0.5 * (K + K.mT)
         self.d = torch.diagonal(K[..., :q, :q], dim1=-2, dim2=-1).clamp_min(1e-30).sqrt()
-        self.d2 = geo.squared_norms(W)  # the metric's d_i^2 (Stiefel: 1, which d^2 is up to rounding)
+        self.d2 = d2  # Stiefel: 1, which d^2 is up to rounding
         self.pair = self.d2.unsqueeze(-1) + self.d2.unsqueeze(-2)
         self.R12 = K[..., :q, q:] / self.d.unsqueeze(-1)
         schur = K[..., q:, q:] - self.R12.mT @ self.R12

@@ -22,7 +22,8 @@ def momentum_sequence(W, seed, steps=4, rank_decay=1.0):
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
 def test_span_reduction_is_an_isometry_onto_span_w_g(manifold):
     W, G = random_point((96, 24), manifold, seed=1)
-    span = SpanReduction(W[None], G[None], geometry(manifold))
+    geo = geometry(manifold)
+    span = SpanReduction(W[None], G[None], geo, geo.squared_norms(W[None]))
     assert bool(span.valid.all())
     # the reduced W is [D; 0] with D the column norms, and the lift maps it and G back
     d = W.norm(dim=0)
@@ -44,7 +45,7 @@ def test_span_reduction_is_an_isometry_onto_span_w_g(manifold):
 def test_span_projection_equals_the_full_tangent_projection(manifold):
     W, G = random_point((96, 24), manifold, seed=2)
     geo = geometry(manifold)
-    span = SpanReduction(W[None], G[None], geo)
+    span = SpanReduction(W[None], G[None], geo, geo.squared_norms(W[None]))
     x = torch.randn(1, 48, 24)
     X, _ = span.lift(x)
     full = geo.tangent_projection(W[None], X)
@@ -106,7 +107,7 @@ def test_reduced_and_full_admm_agree():
     geo = geometry("dgram")
     opts = SolverOptions(admm_steps=5, tol=0)
     G = G / G.norm()
-    span = SpanReduction(W[None], G[None], geo)
+    span = SpanReduction(W[None], G[None], geo, geo.squared_norms(W[None]))
     B_reduced, corr_reduced, _, _ = admm_iterations(span.W, span.G, geo, None, opts, span.d2, span.project)
     B_full, corr_full, _, _ = admm_iterations(W[None], G[None], geo, None, opts)
     assert torch.allclose(span.lift(B_reduced)[0], B_full, atol=2e-4)
