@@ -217,36 +217,47 @@ GPU_CONFIGS = {
 }
 TUNING_KEYS = {"sym_product": ["M", "K", "HAS_C"], "matmul_add": ["M", "N", "K"],
                "symmetric_gram": ["P", "Q", "ZERO_DIAGONAL", "DIVIDE", "HAS_BASE"]}
+
+
+def make_tuner(name, configs=None, do_bench=None):
+    """The autotuner of kernel `name` over `configs` (GPU_CONFIGS[name] by default); `do_bench`
+    replaces Triton's benchmarker (tests drive the tuner with it, in the interpreter too)."""
+    return triton.autotune(GPU_CONFIGS[name] if configs is None else configs, key=TUNING_KEYS[name],
+                           do_bench=do_bench)(_jit[name])
+
+
 # GPU problems of GPT-2 size: autotuned among GPU_CONFIGS (the key's dtypes are added by Triton)
-_tuners = {} if INTERPRETED else {name: triton.autotune(GPU_CONFIGS[name], key=TUNING_KEYS[name])(fn)
-                                  for name, fn in _jit.items()}
+_tuners = {} if INTERPRETED else {name: make_tuner(name) for name in _jit}
 _chosen = {}  # (name, key) -> the configuration the autotuner picked
 
 
 def _launch(name, grid, args, size, key, **constexprs):
     """Launch kernel `name` once, for an output of `size` (rows, cols), on the device of its
-    first operand args[0] (Triton launches on the current CUDA device).
+    first operand args[0] (Triton launches on the current CUDA device); return the
+    configuration that ran.
 
-    Small problems and the interpreter use the SMALL configuration. Otherwise the first launch
-    for a key goes through the autotuner (which benchmarks its configurations on the GPU);
-    later ones call the kernel with the chosen configuration directly, which saves the
-    autotuner's per-call Python work: it matters for 768 x 768 banks, whose kernels take tens
-    of microseconds.
+    Small problems and kernels without a tuner (all of them in the interpreter) use the SMALL
+    configuration. Otherwise the first launch for a key goes through the autotuner (which
+    benchmarks its configurations on the GPU); later ones call the kernel with the chosen
+    configuration directly, which saves the autotuner's per-call Python work: it matters for
+    768 x 768 banks, whose kernels take tens of microseconds.
     """
     device = args[0].device
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
             return _launch(name, grid, args, size, key, **constexprs)
     LAUNCHES[name] += 1
-    if INTERPRETED or max(size) < SMALL_PROBLEM:
+    if name not in _tuners or max(size) < SMALL_PROBLEM:
         config = SMALL_CONFIGS[name]
     else:
         config = _chosen.get((name, key))
         if config is None:
-            _tuners[name][grid](*args, **constexprs)
-            _chosen[(name, key)] = _tuners[name].best_config
-            return
+            tuner = _tuners[name]
+            tuner[grid](*args, **constexprs)
+            _chosen[(name, key)] = tuner.best_config
+            return tuner.best_config
     _jit[name][grid](*args, **constexprs, **config.all_kwargs())
+    return config
 
 
 def upper_tiles(n, block):
