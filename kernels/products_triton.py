@@ -222,8 +222,10 @@ TUNING_KEYS = {"sym_product": ["M", "K", "HAS_C"], "matmul_add": ["M", "N", "K"]
 def make_tuner(name, configs=None, do_bench=None):
     """The autotuner of kernel `name` over `configs` (GPU_CONFIGS[name] by default); `do_bench`
     replaces Triton's benchmarker (tests drive the tuner with it, in the interpreter too)."""
-    return triton.autotune(GPU_CONFIGS[name] if configs is None else configs, key=TUNING_KEYS[name],
-                           do_bench=do_bench)(_jit[name])
+    configs = GPU_CONFIGS[name] if configs is None else configs
+    if any(config.kwargs.get("BLOCK", SMALL) < SMALL for config in configs):
+        raise ValueError(f"{name}: tiles narrower than {SMALL} would overrun the sumsq slots")
+    return triton.autotune(configs, key=TUNING_KEYS[name], do_bench=do_bench)(_jit[name])
 
 
 # GPU problems of GPT-2 size: autotuned among GPU_CONFIGS (the key's dtypes are added by Triton)
@@ -326,13 +328,18 @@ def symmetric_gram(X, Y, zero_diagonal=False, d2=None, alpha=1.0, base=None, wan
     scale = isinstance(alpha, torch.Tensor)
     Scale = alpha.to(torch.float32).expand(batch).reshape(b) if scale else out
     Base = out if base is None else _batched(base)
-    slots = upper_tiles(q, SMALL)  # the most tiles any configuration has
-    Sumsq = torch.zeros(b, slots, dtype=torch.float32, device=X.device) if want_sumsq else out
+    slots = upper_tiles(q, SMALL)  # the most tiles any configuration has (none is narrower)
+    Sumsq = torch.empty(b, slots, dtype=torch.float32, device=X.device) if want_sumsq else out
     grid = lambda meta: (upper_tiles(q, meta["BLOCK"]), b)  # noqa: E731
     args = (X3, Y3, D2, Scale, Base, out, Sumsq, 1.0 if scale else float(alpha), p, q, slots,
             *X3.stride(), *Y3.stride(), *D2.stride(), *Base.stride(), *out.stride())
     flags = dict(ZERO_DIAGONAL=zero_diagonal, DIVIDE=d2 is not None, HAS_SCALE=scale,
                  HAS_BASE=base is not None, WANT_SUMSQ=want_sumsq)
-    _launch("symmetric_gram", grid, args, (q, q), (p, q, X.dtype, *flags.values()), **flags, **options)
-    sumsq = Sumsq.sum(dim=-1).reshape(batch) if want_sumsq else None
+    config = _launch("symmetric_gram", grid, args, (q, q), (p, q, X.dtype, *flags.values()),
+                     **flags, **options)
+    # Only the slots of the tiling that ran: the autotuner's trials of narrower tilings leave
+    # theirs in the slots past it (and every slot of this tiling was just written, so no zeroing).
+    sumsq = None
+    if want_sumsq:
+        sumsq = Sumsq[:, :upper_tiles(q, config.kwargs["BLOCK"])].sum(dim=-1).reshape(batch)
     return out.reshape(batch + (q, q)), sumsq

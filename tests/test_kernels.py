@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 import kernels
 from kernels import BackendError, msign, orthonormalize_near, products_torch, products_triton
@@ -223,6 +224,35 @@ def test_autotuned_gpu_kernels_agree_with_torch(dtype, rel):
     for op in (kernels.tangent_projection, kernels.preconditioned):
         fused, reference = op(W, A, "dgram", d2, backend="triton"), op(W, A, "dgram", d2, backend="torch")
         assert max_error(fused, reference) <= rel / 5 * float(reference.abs().max())
+
+
+def test_autotuned_sumsq_counts_only_the_tiles_of_the_configuration_that_ran(monkeypatch):
+    # symmetric_gram's partial ||H||^2 buffer has one slot per upper tile of the narrowest
+    # tiling, and every autotuning trial fills the slots of its own tiling. When a wider tiling
+    # (fewer slots) wins, slots past its own may still hold a narrower trial's shares. This
+    # drives the real triton.autotune machinery (in the interpreter on a CPU) into that case:
+    # two tile widths, and a benchmark that runs each trial and makes the wider one win.
+    ran = []
+    record = lambda nargs: ran.append(nargs["BLOCK"])  # noqa: E731
+    configs = [triton.Config({"BLOCK": 32, "BLOCK_K": 32}, pre_hook=record),
+               triton.Config({"BLOCK": 64, "BLOCK_K": 32}, pre_hook=record)]
+
+    def do_bench(kernel_call, quantiles):
+        kernel_call()
+        return [1.0 if ran[-1] == 64 else 2.0] * len(quantiles)
+
+    tuner = products_triton.make_tuner("symmetric_gram", configs, do_bench=do_bench)
+    monkeypatch.setitem(products_triton._tuners, "symmetric_gram", tuner)
+    monkeypatch.setattr(products_triton, "_chosen", {})
+    monkeypatch.setattr(products_triton, "SMALL_PROBLEM", 0)  # every size goes to the tuner
+    X, Y = randn(2, 40, 150), randn(2, 40, 150, seed=1)  # 15 tiles of 32, 6 of 64
+    H, sumsq = products_triton.symmetric_gram(X, Y, zero_diagonal=True, want_sumsq=True)
+    assert ran == [32, 64, 64] and tuner.best_config.kwargs["BLOCK"] == 64  # two trials, the winner
+    H_ref, sumsq_ref = products_torch.symmetric_gram(X, Y, zero_diagonal=True, want_sumsq=True)
+    assert max_error(H, H_ref) < 1e-4
+    assert torch.allclose(sumsq, sumsq_ref, rtol=1e-5), (sumsq, sumsq_ref)
+    with pytest.raises(ValueError, match="narrower"):  # their tiles would not fit the slots
+        products_triton.make_tuner("symmetric_gram", [triton.Config({"BLOCK": 16, "BLOCK_K": 16})])
 
 
 def test_fp32_dot_precision_follows_torch():
