@@ -25,10 +25,12 @@ PRESETS=(unconstrained all-stiefel all-dgram hetero hetero-inv)
 OWT_SAMPLE=stas/openwebtext-10k  # the first 10k OpenWebText documents; its parquet export has no script
 # A small GPT-2 for a CPU or one GPU: a few minutes per assignment on one CPU core; higher
 # learning rates than the paper's so that 200 steps learn something.
-QUICK=(--n-layer 2 --n-head 4 --n-embd 128 --seq-len 128 --batch-size 8 --max-steps 200 --warmup-steps 20
-       --lr 3e-3 --min-lr 3e-4 --muon-lr 0.05 --eval-every 25 --eval-tokens 8192 --log-every 25)
-# The published setting is the trainer's defaults; 8 GPUs x --batch-size 8 = 64 sequences per step.
-PAPER=(--batch-size 8 --compile --wandb offline)
+QUICK=(--n-layer 2 --n-head 4 --n-embd 128 --seq-len 128 --total-batch-size 8 --batch-size 8
+       --max-steps 200 --warmup-steps 20 --lr 3e-3 --min-lr 3e-4 --muon-lr 0.05
+       --eval-every 25 --eval-tokens 8192 --log-every 25)
+# The published setting is the trainer's defaults: 64 x 1024 tokens per step on any number of GPUs
+# (8 per GPU per micro-step; 8 GPUs: no accumulation, 1 GPU: 8 micro-steps).
+PAPER=(--compile --wandb offline)
 
 die() { echo "error: $*" >&2; exit 2; }
 
@@ -51,7 +53,7 @@ demo() {
     "$VENV/bin/python" data/prepare.py --files data/sample/alice.jsonl --out-dir data/sample_shards \
         --val-fraction 0.1
     "$VENV/bin/python" train_gpt2.py --assign hetero --data-dir data/sample_shards --out-dir runs/demo \
-        --n-layer 2 --n-head 2 --n-embd 64 --seq-len 64 --batch-size 8 --max-steps 60 \
+        --n-layer 2 --n-head 2 --n-embd 64 --seq-len 64 --total-batch-size 8 --batch-size 8 --max-steps 60 \
         --warmup-steps 1 --eval-every 30 --eval-tokens 4096 --device cpu --wandb off "$@"
 }
 

@@ -8,13 +8,16 @@ Each attention and MLP weight matrix is optimized by ManifoldMuon on the manifol
 use AdamW. Sections: config -> data -> model -> optimizers -> loop -> eval and outputs.
 """
 import argparse
+import collections
 import contextlib
 import glob
+import itertools
 import json
 import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -90,8 +93,12 @@ def parse_args(argv=None):
     m.add_argument("--seq-len", type=int, default=1024, help="context length in tokens")
     m.add_argument("--vocab-size", type=int, default=50304, help="embedding rows (GPT-2's 50257 padded)")
     t = p.add_argument_group("training")
-    t.add_argument("--batch-size", type=int, default=64, help="sequences per process per micro-step")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    t.add_argument("--total-batch-size", type=int, default=64,
+                   help="sequences per optimizer step over all processes (the published 64 x 1024 tokens); "
+                        "gradient accumulation = total / (--batch-size x processes), a whole number")
+    t.add_argument("--batch-size", type=int, default=8,
+                   help="sequences per process per micro-step (8 x 1024 tokens of GPT-2 small fit one 80 GB GPU "
+                        "in bf16); also the eval batch")
     t.add_argument("--max-steps", type=int, default=50000, help="optimizer steps")
     t.add_argument("--warmup-steps", type=int, default=1000, help="linear warmup steps")
     t.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate (embeddings, norms)")
@@ -137,8 +144,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def validate_args(args):
-    positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "grad_accum",
+def validate_args(args, world_size=None):
+    """Check the flags (a UserError names the first bad one) and derive args.grad_accum and
+    args.assignment. `world_size` defaults to torchrun's WORLD_SIZE (1 without torchrun)."""
+    positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "total_batch_size",
                 "max_steps", "eval_every", "eval_tokens", "log_every", "keep_ckpts")
     for name in positive:
         if getattr(args, name) <= 0:
@@ -165,12 +174,31 @@ def validate_args(args):
     if args.optimizer == "adamw" and args.assign.strip() != "unconstrained":
         raise UserError(f"--optimizer adamw trains no matrix on a manifold: pass --assign unconstrained "
                         f"(got --assign {args.assign})")
+    args.grad_accum = grad_accum_steps(args, world_size or int(os.environ.get("WORLD_SIZE", "1")))
     if args.assign.strip() == "auto":
         if args.auto_base.strip() == "auto":
             raise UserError("--auto-base must be a preset or key=manifold spec, not auto")
         args.assignment = parse_assignment(args.auto_base)
     else:
         args.assignment = parse_assignment(args.assign)
+
+
+def grad_accum_steps(args, world_size):
+    """Micro-steps per optimizer step: --total-batch-size = --batch-size x world_size x accumulation,
+    as nanoGPT derives its accumulation from the total batch, so that a run means the same
+    optimizer steps on any number of processes."""
+    per_micro_step = args.batch_size * world_size
+    if args.total_batch_size % per_micro_step:
+        total, processes = args.total_batch_size, f"{world_size} process" + ("es" if world_size > 1 else "")
+        if total % world_size:
+            hint = f"{total} sequences cannot be split evenly over {processes}"
+        else:
+            per_process = total // world_size
+            divisors = [d for d in range(1, per_process + 1) if per_process % d == 0]
+            hint = f"--batch-size must divide {per_process} ({', '.join(map(str, divisors[-6:]))}, ...)"
+        raise UserError(f"--total-batch-size {total} is not a multiple of --batch-size {args.batch_size} x "
+                        f"{processes} = {per_micro_step} sequences: {hint}")
+    return args.total_batch_size // per_micro_step
 
 
 # ----------------------------------------------------------------------------------------
@@ -207,7 +235,10 @@ def init_distributed(args):
     # std::terminate: "terminate called without an active exception", SIGABRT after `done:`.
     # Imported now, the defaults are None and destroy_process_group() joins those threads.
     import torch.distributed.nn.functional  # noqa: F401
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=20))
+    # device_id binds this rank's NCCL communicator to its GPU now (eagerly), not at the first
+    # collective, and lets NCCL skip guessing the device from the current one
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=20),
+                            device_id=torch.device("cuda", local_rank) if use_cuda else None)
     return DistEnv(rank, local_rank, world_size)
 
 
@@ -308,11 +339,52 @@ class TrainBatches:
             self._epoch = epoch
         return int(self._perm[index])
 
-    def get(self, step, micro):
+    def windows_of(self, step, micro):
+        """This rank's (B, T + 1) token windows of micro-step `micro` of optimizer step `step`."""
         first = step * self.world * self.accum * self.B + (micro * self.world + self.rank) * self.B
         rows = [self.stream.read(self._window(g) * self.T, self.T + 1) for g in range(first, first + self.B)]
-        batch = torch.from_numpy(np.stack(rows))
+        return torch.from_numpy(np.stack(rows))
+
+    def get(self, step, micro):
+        """(inputs, targets) of windows_of(step, micro)."""
+        batch = self.windows_of(step, micro)
         return batch[:, :-1], batch[:, 1:]
+
+
+class Prefetcher:
+    """TrainBatches of the loop's micro-steps, in loop order from `start_step`, read ahead.
+
+    A background thread reads the next `depth` micro-batches (memory-mapped shards, then a stack)
+    and, on CUDA, pins them, while the current one computes: a non_blocking copy from pageable
+    memory is a synchronous one, from pinned memory it overlaps. One (B, T + 1) copy per
+    micro-step; inputs and targets are views of it on the device. The order is fixed by the
+    loop, so the batches are exactly those of TrainBatches.get (`next` checks the step it is asked for).
+    """
+
+    def __init__(self, batches, start_step, device, depth=2):
+        self.batches, self.device, self.pin = batches, device, device.type == "cuda"
+        self.order = ((s, m) for s in itertools.count(start_step) for m in range(batches.accum))
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self.pending = collections.deque(self._submit() for _ in range(depth))
+
+    def _submit(self):
+        step, micro = next(self.order)
+        return step, micro, self.pool.submit(self._read, step, micro)
+
+    def _read(self, step, micro):
+        batch = self.batches.windows_of(step, micro)
+        return batch.pin_memory() if self.pin else batch
+
+    def next(self, step, micro):
+        """(inputs, targets) of micro-step `micro` of step `step`, on the device."""
+        ahead_step, ahead_micro, future = self.pending.popleft()
+        assert (ahead_step, ahead_micro) == (step, micro), "batches asked for out of loop order"
+        self.pending.append(self._submit())
+        batch = future.result().to(self.device, non_blocking=True)  # re-raises a reader's UserError
+        return batch[:, :-1], batch[:, 1:]
+
+    def close(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -648,7 +720,10 @@ def communication_bytes_per_step(model, muon, env):
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json")
-SHAPE_ARGS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "assign")
+# What a resumed run must share with its checkpoint: the model's shapes and assignment, and the
+# total batch (the data a step reads is a function of the step and the total batch). The
+# micro-batch and the number of processes may change: they only change the accumulation.
+RESUME_FIXED_ARGS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "assign", "total_batch_size")
 
 
 def main(argv=None):
@@ -717,8 +792,8 @@ def checkpoint_payload(step, model, adamw, muon_state, losses, args):
 
 def restore(payload, model, adamw, muon, args):
     saved = payload["args"]
-    shape_args = SHAPE_ARGS + (("auto_base",) if args.assign.strip() == "auto" else ())
-    changed = [k for k in shape_args if saved.get(k) != getattr(args, k)]
+    fixed = RESUME_FIXED_ARGS + (("auto_base",) if args.assign.strip() == "auto" else ())
+    changed = [k for k in fixed if k in saved and saved[k] != getattr(args, k)]
     if changed:
         raise UserError("cannot resume: the checkpoint was written with a different "
                         + ", ".join(f"--{k.replace('_', '-')} ({saved.get(k)} there, {getattr(args, k)} now)"
@@ -796,14 +871,15 @@ def train(args, env):
     step_model = torch.compile(model) if args.compile else model
     if env.world_size > 1:  # gradient all-reduce, bucketed and overlapped with the backward
         step_model = DDP(step_model, device_ids=[env.local_rank] if device.type == "cuda" else None)
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * env.world_size
+    tokens_per_step = args.total_batch_size * args.seq_len
     n_params = sum(p.numel() for p in model.parameters())
     comm_bytes = communication_bytes_per_step(model, muon, env)
     say(f"GPT-2 {args.n_layer}L {args.n_head}H {args.n_embd}D, {n_params / 1e6:.2f}M parameters, "
         f"{device.type} {dtype}, {env.world_size} process(es); assign {args.assign}: "
         + ", ".join(f"{k}={v}" for k, v in args.assignment.items()))
     say(f"data: {train_stream.total:,} train / {val_stream.total:,} val tokens; "
-        f"{tokens_per_step:,} tokens per step, {args.max_steps} steps"
+        f"{tokens_per_step:,} tokens per step ({args.total_batch_size} x {args.seq_len}: {args.batch_size} "
+        f"per process x {env.world_size} x {args.grad_accum} accumulation), {args.max_steps} steps"
         + (f"; {comm_bytes / 2**20:.1f} MiB received per rank per step" if comm_bytes else ""))
     log = None
     if env.is_main:
@@ -826,6 +902,7 @@ def train(args, env):
                 save_atomic(state, checkpoint_path(args.out_dir, step, prefix))
 
     stop = StopRequest().install()
+    prefetch = Prefetcher(batches, start_step, device)
     status, diverged, step, saved_step = "completed", None, start_step - 1, start_step
     start = time.time()
     for step in range(start_step, args.max_steps):
@@ -837,7 +914,7 @@ def train(args, env):
             group["lr"] = args.muon_lr * lr / args.lr
         loss_sum = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
-            x, y = (t.to(device, non_blocking=True) for t in batches.get(step, micro))
+            x, y = prefetch.next(step, micro)
             last = micro == args.grad_accum - 1
             # gradients are all-reduced once, on the last micro-step
             with contextlib.nullcontext() if last or env.world_size == 1 else step_model.no_sync():
@@ -907,6 +984,7 @@ def train(args, env):
                 f"resume with --resume auto", file=sys.stderr, flush=True)
             break
     stop.uninstall()
+    prefetch.close()
     steps_done = step + 1
     if status == "completed" and saved_step != steps_done:
         checkpoint(steps_done)  # the final weights, and a resumable end state
@@ -917,6 +995,8 @@ def train(args, env):
                "diverged": diverged, "wall_s": time.time() - start}
     if auto is not None:
         summary["auto_switches"] = auto.switches
+    if device.type == "cuda":  # this rank's peak of tensors allocated (the caching allocator reserves more)
+        summary["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if log:
         write_json(os.path.join(args.out_dir, "summary.json"), summary)
         log.close()

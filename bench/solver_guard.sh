@@ -22,7 +22,7 @@ for setting in default iters20; do
             [ -f "$dir/summary.json" ] && continue
             # shellcheck disable=SC2086
             $PY train_gpt2.py --assign "$assign" --data-dir "$OUT/data" --out-dir "$dir" --overwrite \
-                --n-layer 2 --n-head 2 --n-embd 64 --seq-len 128 --batch-size 8 --max-steps 300 \
+                --n-layer 2 --n-head 2 --n-embd 64 --seq-len 128 --total-batch-size 8 --batch-size 8 --max-steps 300 \
                 --warmup-steps 20 --lr 3e-3 --min-lr 3e-4 --muon-lr 0.05 --eval-every 50 \
                 --eval-tokens 8192 --log-every 50 --seed "$seed" --device cpu --wandb off \
                 ${SOLVER[$setting]} "$@"

@@ -28,5 +28,5 @@ def make_shards(data_dir, train_tokens=20000, val_tokens=4000, vocab=64, train_s
 
 
 TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
-              "--vocab-size", "64", "--batch-size", "8", "--device", "cpu", "--wandb", "off",
+              "--vocab-size", "64", "--total-batch-size", "8", "--batch-size", "8", "--device", "cpu", "--wandb", "off",
               "--log-every", "1000"]

@@ -13,6 +13,7 @@ from synthetic import make_shards
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = ["unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv"]
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
+        "--total-batch-size", "8",
         "--max-steps", "4", "--warmup-steps", "1", "--eval-every", "2", "--eval-tokens", "256", "--device", "cpu"]
 
 

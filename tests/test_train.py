@@ -147,3 +147,36 @@ def test_triton_kernels_on_cpu_are_a_clean_error(data_dir, tmp_path):
                      "--out-dir", str(tmp_path / "o"), *TINY_MODEL, env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("error: kernel backend 'triton' needs CUDA tensors")
+
+
+def test_default_batch_is_the_published_64_sequences_on_any_world_size():
+    args = train_gpt2.parse_args([])
+    assert (args.total_batch_size, args.batch_size) == (64, 8)
+    for world, accumulation in [(1, 8), (2, 4), (4, 2), (8, 1)]:
+        assert train_gpt2.grad_accum_steps(args, world) == accumulation
+        assert args.batch_size * world * accumulation == 64
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    ([], 3, "not a multiple of --batch-size 8 x 3 processes = 24 sequences: 64 sequences cannot be split"),
+    ([], 16, "not a multiple of --batch-size 8 x 16 processes = 128"),
+    (["--batch-size", "5"], 1, "--batch-size must divide 64"),
+    (["--total-batch-size", "0"], 1, "--total-batch-size must be positive"),
+])
+def test_a_total_batch_that_does_not_divide_is_a_user_error(flags, world, message):
+    args = train_gpt2.parse_args(flags)
+    with pytest.raises(train_gpt2.UserError, match=message):
+        train_gpt2.validate_args(args, world_size=world)
+
+
+def test_prefetched_batches_are_the_loops_batches_in_order(data_dir):
+    stream = train_gpt2.TokenStream(train_gpt2.find_shards(data_dir, "train"), 64)
+    batches = train_gpt2.TrainBatches(stream, 32, 4, grad_accum=3, seed=5)
+    prefetch = train_gpt2.Prefetcher(batches, start_step=7, device=torch.device("cpu"))
+    for step in range(7, 10):
+        for micro in range(3):
+            got, want = prefetch.next(step, micro), batches.get(step, micro)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(AssertionError, match="out of loop order"):
+        prefetch.next(10, 1)
+    prefetch.close()
