@@ -52,6 +52,20 @@ def test_attention_stats_match_a_pair_by_pair_reference(chunk):
     assert float(max_prob) == pytest.approx(want_prob, rel=1e-5)
 
 
+def test_attention_stats_are_fp32_inside_bf16_autocast():
+    # The eval runs the probe inside the forward pass's autocast; its q.k must not be a bf16 product
+    # (relative error ~4e-3 against the fp64 reference; fp32 gives ~1e-7).
+    torch.manual_seed(0)
+    qkv = 3 * torch.randn(2, 6, 3 * 8)
+    probe = AttentionProbe([], n_head=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logit_max, max_prob = probe.attention_stats(qkv)
+    want_logit, want_prob = reference_attention_stats(qkv, 2)
+    assert logit_max.dtype == torch.float32
+    assert float(logit_max) == pytest.approx(want_logit, rel=1e-5)
+    assert float(max_prob) == pytest.approx(want_prob, rel=1e-5)
+
+
 def tiny_model_and_val(data_dir):
     args = train_gpt2.parse_args(["--data-dir", data_dir, *TINY_MODEL, "--n-layer", "2", "--eval-tokens", "512"])
     train_gpt2.validate_args(args)

@@ -74,7 +74,15 @@ class AttentionProbe:
 
     @torch.no_grad()
     def attention_stats(self, qkv):
-        """(max |logit| over causal pairs, mean over queries of the largest probability)."""
+        """(max |logit| over causal pairs, mean over queries of the largest probability), in fp32.
+
+        The probe runs inside the eval's autocast, which would compute q k^T in bf16 whatever the
+        inputs' dtype (on CUDA and on CPU): it is switched off here, so that the statistics that
+        --assign auto compares with its thresholds carry fp32 rounding, not bf16's 2^-8."""
+        with torch.autocast(qkv.device.type, enabled=False):
+            return self._attention_stats(qkv)
+
+    def _attention_stats(self, qkv):
         B, T, three_C = qkv.shape
         C, H = three_C // 3, self.n_head
         heads = qkv.float().view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4)  # (3, B, H, T, d_head)
