@@ -97,8 +97,9 @@ def parse_args(argv=None):
                    help="sequences per optimizer step over all processes (the published 64 x 1024 tokens); "
                         "gradient accumulation = total / (--batch-size x processes), a whole number")
     t.add_argument("--batch-size", type=int, default=8,
-                   help="sequences per process per micro-step (8 x 1024 tokens of GPT-2 small fit one 80 GB GPU "
-                        "in bf16); also the eval batch")
+                   help="sequences per process per micro-step (8 x 1024 tokens of GPT-2 small: an estimated "
+                        "10-15 GB in bf16; lower it on smaller cards, the step stays the same); also the "
+                        "eval batch")
     t.add_argument("--max-steps", type=int, default=50000, help="optimizer steps")
     t.add_argument("--warmup-steps", type=int, default=1000, help="linear warmup steps")
     t.add_argument("--lr", type=float, default=6e-4, help="AdamW peak learning rate (embeddings, norms)")
