@@ -37,7 +37,9 @@ def published_retract(X, manifold, msign_iters=10):
     polar = msign(X, steps=msign_iters)
     if manifold == "stiefel":
         return polar
-    return polar * torch.linalg.svdvals(X).unsqueeze(-2)  # polar factor x sorted singular values
+    # polar factor x sorted singular values; svdvals has no bf16 kernel (CPU or CUDA), so fp32
+    sigma = torch.linalg.svdvals(X.float()).to(X.dtype)
+    return polar * sigma.unsqueeze(-2)
 
 
 def published_step(W, G, manifold, eta):
