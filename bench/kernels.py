@@ -21,7 +21,6 @@ multiply-adds each backend executes: the Triton Gram products compute half the t
 "err" is the largest difference from the torch result relative to its largest entry.
 """
 import argparse
-import json
 import os
 import platform
 import sys
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels  # noqa: E402
+from bench.results import Results  # noqa: E402
 from kernels.matrix_sign import NEWTON_SCHULZ, polar_express_coefficients  # noqa: E402
 
 BANKS = {"attn.c_proj": (12, 768, 768), "attn.c_attn": (12, 768, 2304), "mlp": (24, 768, 3072)}
@@ -113,6 +113,15 @@ def measure(fns, rep_ms):
             "graph": {k: do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") for k, fn in fns.items()}}
 
 
+def fp32_dot_precision():
+    """What the fp32 kernels' tl.dot uses (tf32 or tf32x3), as the kernels decide it."""
+    try:
+        from kernels import products_triton
+        return products_triton.fp32_precision()
+    except Exception as err:  # the env line must not stop the bench
+        return f"unknown ({type(err).__name__}: {err})"
+
+
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -123,7 +132,7 @@ def main(argv=None):
 
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "python": platform.python_version(),
-           "float32_matmul_precision": torch.get_float32_matmul_precision(),
+           "fp32_dot_precision": fp32_dot_precision(),
            "msign_steps": args.steps, "polish_steps": args.polish_steps}
     print(", ".join(f"{k} {v}" for k, v in env.items()))
     header = (f"{'op':7} {'bank':11} {'shape':>12} {'dtype':5} | {'eager ms torch':>14} {'triton':>7} "
@@ -131,15 +140,22 @@ def main(argv=None):
               f"{'TF/s torch':>10} {'triton':>6} | {'target':>6} {'err':>7}")
     print(header)
     print("-" * len(header))
-    rows = []
-    for op in args.ops.split(","):
-        for dtype_name in args.dtypes.split(","):
+    out = Results(args.out, env=env, rows=[])
+    # dtype outermost: under a time limit all rows of the first dtype (bf16) come first
+    for dtype_name in args.dtypes.split(","):
+        for op in args.ops.split(","):
             for bank_name in args.banks.split(","):
                 bank = BANKS[bank_name]
-                flops_torch, flops_triton, fns = cases(op, bank, DTYPES[dtype_name], args)
-                results = {backend: fn() for backend, fn in fns.items()}  # warm-up: compile and autotune
-                torch.cuda.synchronize(DEVICE)
-                ms = measure(fns, args.rep_ms)
+                try:
+                    flops_torch, flops_triton, fns = cases(op, bank, DTYPES[dtype_name], args)
+                    results = {backend: fn() for backend, fn in fns.items()}  # warm-up: compile, autotune
+                    torch.cuda.synchronize(DEVICE)
+                    ms = measure(fns, args.rep_ms)
+                except Exception as err:  # one failing case (a compile error, say) spares the others
+                    error = f"{type(err).__name__}: {err}"
+                    out.append("rows", dict(op=op, bank=bank_name, dtype=dtype_name, error=error))
+                    print(f"{op:7} {bank_name:11} {dtype_name:5} FAILED {error}", flush=True)
+                    continue
                 target = TARGETS[op] if op != "msign" or dtype_name == "bf16" else None
                 row = dict(op=op, bank=bank_name, shape=list(bank), dtype=dtype_name, target=target,
                            eager_ms=ms["eager"], graph_ms=ms["graph"],
@@ -148,16 +164,13 @@ def main(argv=None):
                            tflops={"torch": flops_torch / ms["graph"]["torch"] / 1e9,
                                    "triton": flops_triton / ms["graph"]["triton"] / 1e9},
                            max_rel_err=relative_error(results["triton"], results["torch"]))
-                rows.append(row)
+                out.append("rows", row)  # the file is rewritten after each row
                 eager, graph = ms["eager"], ms["graph"]
                 print(f"{op:7} {bank_name:11} {'x'.join(map(str, bank)):>12} {dtype_name:5} | "
                       f"{eager['torch']:14.3f} {eager['triton']:7.3f} {row['eager_speedup']:6.2f}x | "
                       f"{graph['torch']:14.3f} {graph['triton']:7.3f} {row['graph_speedup']:6.2f}x | "
                       f"{row['tflops']['torch']:10.1f} {row['tflops']['triton']:6.1f} | "
                       f"{(f'{target:.1f}x' if target else '-'):>6} {row['max_rel_err']:7.1e}", flush=True)
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump({"env": env, "rows": rows}, f, indent=1)
     return 0
 
 

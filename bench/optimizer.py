@@ -32,6 +32,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+from bench.results import Results  # noqa: E402
 from bench.published import PUBLISHED, published_direction, published_step  # noqa: E402
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction  # noqa: E402
 from manifolds.dual import SolverOptions, solve_tall  # noqa: E402
@@ -229,7 +230,7 @@ def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_
     return published, ours
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-layer", type=int, default=2)
@@ -245,42 +246,50 @@ def main():
     ap.add_argument("--levers", action="store_true", help="also time the levers one by one (LEVERS)")
     ap.add_argument("--quality", action="store_true", help="also measure direction quality (slow)")
     ap.add_argument("--reference-iters", type=int, default=800)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="JSON results, rewritten after every measurement")
+    args = ap.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     banks = build(args, device)
     assignment = parse_assignment(args.assign)
 
-    results = {"config": {k: str(v) for k, v in vars(args).items()}}
-    t_pub, w_pub = time_published(banks, args, device)
-    t_ours, w_ours, opt = time_ours(banks, args, device, clip=args.clip)
-    t_20, _, _ = time_ours(banks, args, device, dual_steps=20, admm_steps=20, clip=args.clip)
+    # each figure goes to --out as soon as it is measured (a time limit may cut the bench short)
+    out = Results(args.out, config={k: str(v) for k, v in vars(args).items()})
+    results = out.data
     med = lambda t: sorted(t)[len(t) // 2]  # noqa: E731
+
+    def record(name, times):
+        out.put("seconds_per_step", name, value=med(times))
+        if name != "published":
+            out.put("speedup_vs_published", name, value=med(t_pub) / med(times))
+        print(f"  {name:10s} {1000 * med(times):9.1f} ms/step   ({med(t_pub) / med(times):5.2f}x vs published)",
+              flush=True)
+
+    print(f"{args.assign}, n_embd {args.n_embd}, {args.n_layer} layers, {args.device}:", flush=True)
+    t_pub, w_pub = time_published(banks, args, device)
+    record("published", t_pub)
+    t_ours, w_ours, opt = time_ours(banks, args, device, clip=args.clip)
+    record("ours", t_ours)
+    stats = opt.stats()
+    out.put("ours_iterations", value=stats)
+    out.put("violation_after_steps", value={
+        name: {key: max(manifold_violation(w, assignment[key]) for w in ws) for key, ws in weights.items()}
+        for name, weights in (("published", w_pub), ("ours", w_ours))})
+    t_20, _, _ = time_ours(banks, args, device, dual_steps=20, admm_steps=20, clip=args.clip)
+    record("ours-20", t_20)
     if args.levers:  # the optimizer's levers added one at a time, timed against the published step
-        results["levers"] = {}
         for name, cold, solver in LEVERS:
             t, _, _ = time_ours(banks, args, device, cold=cold, **solver)
-            results["levers"][name] = {"seconds_per_step": med(t), "speedup_vs_published": med(t_pub) / med(t)}
+            out.put("levers", name, value={"seconds_per_step": med(t), "speedup_vs_published": med(t_pub) / med(t)})
             print(f"  lever: {name:55s} {1000 * med(t):9.1f} ms/step  ({med(t_pub) / med(t):5.2f}x vs published)",
                   flush=True)
-    results["seconds_per_step"] = {"published": med(t_pub), "ours": med(t_ours), "ours-20": med(t_20)}
-    results["speedup_vs_published"] = {"ours": med(t_pub) / med(t_ours), "ours-20": med(t_pub) / med(t_20)}
-    results["violation_after_steps"] = {
-        name: {key: max(manifold_violation(w, assignment[key]) for w in ws) for key, ws in weights.items()}
-        for name, weights in (("published", w_pub), ("ours", w_ours))}
-    stats = opt.stats()
-    results["ours_iterations"] = stats
     iterations = {name.split("/")[0]: s["iterations"] for name, s in stats.items()}
     pub_flops, our_flops = flop_model(768, 12, assignment, iterations, "eigh")
     _, poly_flops = flop_model(768, 12, assignment, iterations, "polynomial")
-    results["gpt2_small_flops_per_step"] = {"published": pub_flops, "ours (eigh clip)": our_flops,
-                                            "ours (polynomial clip)": poly_flops,
-                                            "ratio (eigh)": pub_flops / max(our_flops, 1),
-                                            "ratio (polynomial)": pub_flops / max(poly_flops, 1)}
-    print(f"{args.assign}, n_embd {args.n_embd}, {args.n_layer} layers, {args.device}:")
-    for name, t in results["seconds_per_step"].items():
-        print(f"  {name:10s} {1000 * t:9.1f} ms/step   ({med(t_pub) / t:5.2f}x vs published)")
+    out.put("gpt2_small_flops_per_step", value={"published": pub_flops, "ours (eigh clip)": our_flops,
+                                                "ours (polynomial clip)": poly_flops,
+                                                "ratio (eigh)": pub_flops / max(our_flops, 1),
+                                                "ratio (polynomial)": pub_flops / max(poly_flops, 1)})
     print(f"  manifold violation after the steps: {json.dumps(results['violation_after_steps'])}")
     print(f"  our solver iterations (last step): {json.dumps(stats)}")
     print(f"  FLOP model, GPT-2 small (768 x 12, {args.assign}, warm-started step): published "
@@ -288,14 +297,11 @@ def main():
           f"({pub_flops / max(our_flops, 1):.1f}x less), {poly_flops / 1e12:.2f} TFLOP with the polynomial "
           f"clip ({pub_flops / max(poly_flops, 1):.1f}x less)")
     if args.quality:
-        results["quality"] = quality_report(banks, args)
+        out.put("quality", value=quality_report(banks, args))
         for row in results["quality"]:
             print(f"  {row['bank']:9s} {row['manifold']:7s} {tuple(row['shape'])} reference gap {row['reference_gap']:.0e}: "
                   + "  ".join(f"{n} {row[n]['quality']:.4f} (res {row[n]['residual']:.0e})"
                               for n in ("published", "ours", "ours-cold", "ours-20")))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

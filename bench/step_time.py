@@ -10,7 +10,6 @@ started after the first step), for each kernel backend and ADMM clip, and prints
 forward+backward ms. Medians of --repeat timed runs after a warm-up.
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt2  # noqa: E402
+from bench.results import Results  # noqa: E402
 
 
 def timed(fn, device, repeat):
@@ -33,7 +33,7 @@ def timed(fn, device, repeat):
     return sorted(times)[len(times) // 2]
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--assign", nargs="+", default=["hetero", "unconstrained"])
     ap.add_argument("--n-layer", type=int, default=12)
@@ -47,11 +47,12 @@ def main():
     ap.add_argument("--clips", nargs="+", default=["auto", "eigh"],
                     help="ADMM spectral clips to time (auto = polynomial on GPU; eigh = eigendecomposition)")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="JSON results, rewritten after every measurement")
+    args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "config": vars(args)}
+    results = Results(args.out, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                      torch=torch.__version__, config=vars(args))
     for assign in args.assign:
         targs = train_gpt2.parse_args(["--assign", assign, "--n-layer", str(args.n_layer), "--n-embd",
                                        str(args.n_embd), "--n-head", str(args.n_head), "--seq-len", str(args.seq_len)])
@@ -72,7 +73,7 @@ def main():
         fb = timed(lambda: (model.zero_grad(set_to_none=True), forward_backward()), device, args.repeat)
         model.zero_grad(set_to_none=True)
         forward_backward()  # fresh gradients for the optimizer timing
-        results[assign] = {"forward_backward_ms": 1000 * fb}
+        results.put(assign, "forward_backward_ms", value=1000 * fb)
         print(f"{assign:14s} forward+backward {1000 * fb:8.1f} ms", flush=True)
         for backend in args.kernels:
             for clip in args.clips:
@@ -82,17 +83,15 @@ def main():
                 try:
                     opt = timed(muon.step, device, args.repeat)
                 except Exception as err:  # report and go on with the other settings
-                    results[assign][name] = {"error": f"{type(err).__name__}: {err}"}
+                    results.put(assign, name, value={"error": f"{type(err).__name__}: {err}"})
                     print(f"{assign:14s} kernels {name}: FAILED {type(err).__name__}: {err}", flush=True)
                     continue
-                results[assign][name] = {"muon_step_ms": 1000 * opt, "ratio": opt / fb, "solver": muon.stats()}
+                results.put(assign, name, value={"muon_step_ms": 1000 * opt, "ratio": opt / fb,
+                                                 "solver": muon.stats()})
                 print(f"{assign:14s} kernels {name:12s} Muon step {1000 * opt:8.1f} ms | "
                       f"optimizer / fwd+bwd = {100 * opt / fb:5.1f}%", flush=True)
         del model, muon, adamw, step_model
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

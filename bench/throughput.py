@@ -10,7 +10,6 @@ are interleaved round by round in one process, so load on a shared machine hits 
 it prints median tokens/s and each setting's ratio to the first.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -20,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt2  # noqa: E402
+from bench.results import Results  # noqa: E402
 
 
 def build(setting, args, device):
@@ -34,7 +34,7 @@ def build(setting, args, device):
     return model, muon, adamw
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", nargs="+", default=["adamw", "unconstrained", "hetero"])
     ap.add_argument("--n-layer", type=int, default=2)
@@ -44,8 +44,8 @@ def main():
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (one step per setting each)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="JSON results, rewritten after every timed round")
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     runs = {s: build(s, args, device) for s in args.settings}
@@ -62,6 +62,8 @@ def main():
         adamw.zero_grad(set_to_none=True)
         muon.zero_grad(set_to_none=True)
 
+    per_step = args.batch * args.seq_len
+    results = Results(args.out, config=vars(args), rounds=0, tokens_per_s={}, ratio_to_first={})
     times = {s: [] for s in args.settings}
     for r in range(args.rounds + 1):  # round 0 is the warm-up (states created, warm starts)
         for s in args.settings:
@@ -71,17 +73,16 @@ def main():
             sync()
             if r:
                 times[s].append(time.perf_counter() - t0)
-    per_step = args.batch * args.seq_len
-    results = {"config": vars(args), "tokens_per_s": {}, "ratio_to_first": {}}
-    base = per_step / statistics.median(times[args.settings[0]])
+        if r:  # the medians so far, after every round: a bench cut short keeps its figures
+            base = per_step / statistics.median(times[args.settings[0]])
+            for s in args.settings:
+                tps = per_step / statistics.median(times[s])
+                results.data["tokens_per_s"][s], results.data["ratio_to_first"][s] = tps, tps / base
+            results.put("rounds", value=r)
     print(f"GPT-2 {args.n_layer}L {args.n_embd}D, {args.batch} x {args.seq_len} tokens per step, {device}:")
     for s in args.settings:
-        tps = per_step / statistics.median(times[s])
-        results["tokens_per_s"][s], results["ratio_to_first"][s] = tps, tps / base
-        print(f"  {s:14s} {tps:10.0f} tokens/s   {tps / base:5.2f}x of {args.settings[0]}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        tps, ratio = results.data["tokens_per_s"][s], results.data["ratio_to_first"][s]
+        print(f"  {s:14s} {tps:10.0f} tokens/s   {ratio:5.2f}x of {args.settings[0]}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
 """The benches on CPU, tiny shapes (bench/gpu_check.sh runs the GPU ones on a GPU)."""
+import json
+import math
+import os
+
 import pytest
 import torch
 
+from bench import results as results_module
 from bench.published import published_step
 from manifolds import project_to_manifold
 
@@ -17,3 +22,92 @@ def test_published_step_runs_on_bf16_dgram(shape):
     reference = published_step(W, G, "dgram", 0.02)
     assert torch.isfinite(new.float()).all()
     assert float((new.float() - reference).abs().max() / reference.abs().max()) < 0.05
+
+
+def test_results_rewrite_the_file_atomically(tmp_path):
+    path = tmp_path / "r.json"
+    res = results_module.Results(str(path), config={"n": 1})
+    assert json.loads(path.read_text()) == {"config": {"n": 1}}
+    res.put("a", "b", value=1.5)
+    res.append("rows", {"x": 1})
+    res.put("dtype", value=torch.bfloat16)  # not JSON: written as its str
+    assert json.loads(path.read_text()) == {"config": {"n": 1}, "a": {"b": 1.5}, "rows": [{"x": 1}],
+                                            "dtype": "torch.bfloat16"}
+    assert os.listdir(tmp_path) == ["r.json"]  # no temporary file left
+    results_module.Results(None).put("a", value=1)  # no path: nothing written, no error
+
+
+@pytest.fixture
+def snapshots(monkeypatch):
+    """The JSON file's content after every save, in order."""
+    seen = []
+    save = results_module.Results.save
+
+    def recording_save(self):
+        save(self)
+        with open(self.path) as f:
+            seen.append(json.load(f))
+    monkeypatch.setattr(results_module.Results, "save", recording_save)
+    return seen
+
+
+def test_step_time_writes_after_every_measurement(tmp_path, snapshots):
+    from bench import step_time
+    out = str(tmp_path / "step_time.json")
+    step_time.main(["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch", "2",
+                    "--micro-batch", "1", "--seq-len", "16", "--kernels", "torch", "--clips", "auto", "eigh",
+                    "--repeat", "1", "--out", out])
+    # config, then forward+backward alone, then one setting more per save
+    assert [sorted(s.get("hetero", {})) for s in snapshots] == [
+        [], ["forward_backward_ms"], ["forward_backward_ms", "torch"], ["forward_backward_ms", "torch", "torch+eigh"]]
+    final = json.load(open(out))
+    assert final["hetero"]["torch+eigh"]["muon_step_ms"] > 0 and final["config"]["seq_len"] == 16
+
+
+def test_optimizer_bench_writes_after_every_measurement_in_bf16(tmp_path, snapshots):
+    from bench import optimizer
+    out = str(tmp_path / "optimizer.json")
+    optimizer.main(["--n-embd", "32", "--n-layer", "1", "--steps", "1", "--warmup", "1", "--dtype", "bfloat16",
+                    "--out", out])
+    timed = [list(s.get("seconds_per_step", {})) for s in snapshots]
+    assert ["published"] in timed and ["published", "ours"] in timed  # each saved before the next ran
+    final = json.load(open(out))
+    assert list(final["seconds_per_step"]) == ["published", "ours", "ours-20"]
+    assert all(math.isfinite(v) for v in final["violation_after_steps"]["published"].values())
+
+
+def test_throughput_writes_after_every_round(tmp_path, snapshots):
+    from bench import throughput
+    out = str(tmp_path / "throughput.json")
+    throughput.main(["--settings", "adamw", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+                     "--batch", "2", "--seq-len", "16", "--rounds", "2", "--device", "cpu", "--out", out])
+    assert [s["rounds"] for s in snapshots] == [0, 1, 2]
+    assert set(snapshots[1]["tokens_per_s"]) == {"adamw", "hetero"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU bench/gpu_check.sh runs the real bench")
+def test_kernels_bench_rows_on_cpu_interpreter(tmp_path, monkeypatch, snapshots):
+    # The bench's loop with the Triton kernels in the interpreter (conftest) on a tiny bank, the
+    # CUDA timing replaced: rows are written one by one, bf16 first, and a failing case is a row.
+    from bench import kernels as bench
+    calls = []
+
+    def fake_measure(fns, rep_ms):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated failure")
+        return {mode: {k: 1.0 for k in fns} for mode in ("eager", "graph")}
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "BANKS", {"tiny": (2, 32, 64)})
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    out = str(tmp_path / "kernels.json")
+    assert bench.main(["--ops", "msign,project", "--banks", "tiny", "--dtypes", "bf16,fp32", "--out", out]) == 0
+    assert [len(s["rows"]) for s in snapshots] == [0, 1, 2, 3, 4]
+    rows = json.load(open(out))["rows"]
+    assert [(r["dtype"], r["op"]) for r in rows] == [("bf16", "msign"), ("bf16", "project"),
+                                                     ("fp32", "msign"), ("fp32", "project")]
+    assert "simulated failure" in rows[1]["error"]
+    assert rows[2]["max_rel_err"] < 1e-3 and rows[0]["graph_speedup"] == 1.0
