@@ -3,11 +3,13 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from bench import results as results_module
 from bench.published import published_step
+from data.shards import open_tokens
 from manifolds import project_to_manifold
 
 
@@ -111,3 +113,18 @@ def test_kernels_bench_rows_on_cpu_interpreter(tmp_path, monkeypatch, snapshots)
                                                      ("fp32", "msign"), ("fp32", "project")]
     assert "simulated failure" in rows[1]["error"]
     assert rows[2]["max_rel_err"] < 1e-3 and rows[0]["graph_speedup"] == 1.0
+
+
+def test_pattern_shards_are_a_noisy_cycle(tmp_path):
+    from bench.make_synthetic_shards import VOCAB, cycle_tokens, main
+    tokens = cycle_tokens(200_000, VOCAB, seed=0, jump=0.1)
+    assert tokens.min() >= 0 and tokens.max() < VOCAB
+    steps = (tokens[1:] - tokens[:-1]) % VOCAB
+    assert 0.88 < np.mean(steps == 1) < 0.92  # +1 except at the jumps (and a jump may land on +1)
+    assert np.array_equal(tokens, cycle_tokens(200_000, VOCAB, seed=0, jump=0.1))
+    counts = np.bincount(tokens, minlength=VOCAB)
+    assert counts[0] > 100 * np.median(counts)  # Zipf: the low ids are frequent
+    main([str(tmp_path), "--tokens", "5000", "--mode", "pattern"])
+    train = np.asarray(open_tokens(str(tmp_path / "train_000000.bin")))
+    val = np.asarray(open_tokens(str(tmp_path / "val_000000.bin")))
+    assert len(train) == 5000 and len(val) == 500 and not np.array_equal(val, train[:500])  # another seed
