@@ -2,6 +2,8 @@
 import json
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ from bench import results as results_module
 from bench.published import published_step
 from data.shards import open_tokens
 from manifolds import project_to_manifold
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("shape", [(96, 32), (32, 96)])  # tall and wide DGram matrices
@@ -128,3 +132,25 @@ def test_pattern_shards_are_a_noisy_cycle(tmp_path):
     train = np.asarray(open_tokens(str(tmp_path / "train_000000.bin")))
     val = np.asarray(open_tokens(str(tmp_path / "val_000000.bin")))
     assert len(train) == 5000 and len(val) == 500 and not np.array_equal(val, train[:500])  # another seed
+
+
+def test_gpu_check_dry_run(tmp_path):
+    # The whole script on CPU with tiny shapes: every step passes, the verdict reads every file,
+    # and $OUT holds at most the 8 files the device tool returns.
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(out), "GPU_CHECK_WORK": str(work),
+           "PYTHON": sys.executable}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh")], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    summary = (out / "summary.txt").read_text()
+    assert result.returncode == 0, summary + result.stdout[-3000:]
+    for name in ("tests", "kernels", "step_time", "optimizer", "train"):
+        assert any(line.startswith(name) and "exit   0" in line for line in summary.splitlines()), summary
+    assert "no verdict" not in summary and "tests collected" in summary
+    assert "train: 12 steps" in summary and "no NaN" in summary and "train: status completed" in summary
+    files = sorted(os.listdir(out))
+    assert len(files) <= 8 and not any(f.endswith(".tmp") for f in files), files
+    assert {"gpu_check.log", "summary.txt", "step_time.json", "optimizer.json", "train_metrics.jsonl",
+            "train_summary.json"} <= set(files)
+    assert not (work / "run").exists()  # the checkpoints are deleted
