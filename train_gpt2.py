@@ -30,11 +30,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data.progress import require_finished
 from data.shards import ShardError, open_tokens
-from errors import UserError, run_cli
+from errors import UserError, WriteError, run_cli, write_error
 from kernels import BACKENDS as KERNEL_BACKENDS, check_backend
-from training.checkpoints import checkpoint_path, load_checkpoint, load_newest, save_atomic, save_checkpoint
+from training.checkpoints import (checkpoint_path, load_checkpoint, load_newest, save_atomic, save_checkpoint,
+                                  write_text_atomic)
 from training.auto_assign import AutoAssign
 from training.diagnostics import AttentionProbe, matrix_stats
+from training.run_dir import RunLock, check_shared_out_dir, remove_leftovers
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
 from manifolds.assignment import MATRIX_KEYS, parse_assignment, qkv_blocks, valid_choices
@@ -148,6 +150,9 @@ def parse_args(argv=None):
 def validate_args(args, world_size=None):
     """Check the flags (a UserError names the first bad one) and derive args.grad_accum and
     args.assignment. `world_size` defaults to torchrun's WORLD_SIZE (1 without torchrun)."""
+    for name, value in vars(args).items():  # inf and NaN pass the range checks below
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "total_batch_size",
                 "max_steps", "eval_every", "eval_tokens", "log_every", "keep_ckpts")
     for name in positive:
@@ -161,6 +166,8 @@ def validate_args(args, world_size=None):
     for name in ("min_lr", "weight_decay", "grad_clip", "warmup_steps", "dual_steps", "admm_steps", "ckpt_every"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(args, name)}")
+    if not 0 <= args.auto_saturation <= 1:
+        raise UserError(f"--auto-saturation is a probability in [0, 1] (0 = off), got {args.auto_saturation}")
     if not 0 <= args.momentum < 1:
         raise UserError(f"--momentum must be in [0, 1), got {args.momentum}")
     if args.n_embd % args.n_head:
@@ -282,6 +289,9 @@ class TokenStream:
         sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])
         self.total = int(self.offsets[-1])
+        if self.total == 0:
+            raise UserError(f"{', '.join(paths)}: {'the shard holds' if len(paths) == 1 else 'the shards hold'} "
+                            "no tokens (an empty split: see data/prepare.py's warnings)")
 
     def read(self, start, length):
         """Tokens [start, start + length) of the concatenated stream, as int64."""
@@ -327,9 +337,10 @@ class TrainBatches:
         self.stream, self.T, self.B = stream, seq_len, batch_size
         self.accum, self.seed, self.rank, self.world = grad_accum, seed, rank, world_size
         self.windows = (stream.total - 1) // seq_len
-        if self.windows < batch_size:
-            raise UserError(f"the train shards hold {stream.total} tokens: fewer than one batch of "
-                            f"{batch_size} x {seq_len + 1} tokens needs")
+        total_batch = world_size * grad_accum * batch_size
+        if self.windows < total_batch:  # else one step would read some sequences twice
+            raise UserError(f"the train shards hold {stream.total:,} tokens: fewer than one batch of "
+                            f"{total_batch} sequences of {seq_len} (+1) tokens needs")
         self._epoch, self._perm = None, None
 
     def _window(self, g):
@@ -588,7 +599,7 @@ def evaluate(model, stream, args, device, autocast, env=DistEnv(), probe=None):
     rank r of N takes windows r, r + N, ...; the sums are all-reduced). A `probe` (context
     manager) watches the forward pass of this rank's first batch."""
     windows = min(args.eval_tokens, stream.total - 1) // args.seq_len
-    if windows == 0:
+    if windows <= 0:
         raise UserError(f"the val shards hold {stream.total} tokens: fewer than one sequence of "
                         f"{args.seq_len + 1} tokens")
     mine = list(range(env.rank, windows, env.world_size))
@@ -631,25 +642,39 @@ class RunLog:
     """metrics.jsonl rows, console lines and (optionally) wandb."""
 
     def __init__(self, out_dir, args, resume_step=None):
-        path = os.path.join(out_dir, "metrics.jsonl")
-        if resume_step is not None:
-            keep_rows_until(path, resume_step)
-        self.metrics = open(path, "a")
+        self.path = path = os.path.join(out_dir, "metrics.jsonl")
+        try:
+            if resume_step is not None:
+                keep_rows_until(path, resume_step)
+            self.metrics = open(path, "a")
+        except OSError as err:
+            raise write_error(path, err) from None
         self.wandb = None
         if args.wandb != "off":
             import wandb  # imported only when asked for
-            self.wandb = wandb.init(project=args.wandb_project, mode=args.wandb, dir=out_dir,
-                                    name=args.run_name or os.path.basename(os.path.abspath(out_dir)),
-                                    config={k: v for k, v in vars(args).items() if k != "assignment"})
+            try:
+                self.wandb = wandb.init(project=args.wandb_project, mode=args.wandb, dir=out_dir,
+                                        name=args.run_name or os.path.basename(os.path.abspath(out_dir)),
+                                        config={k: v for k, v in vars(args).items() if k != "assignment"})
+            except Exception as err:  # no network, a bad key, a server error: wandb's exception types vary
+                raise UserError(f"--wandb {args.wandb}: wandb could not start a run ({type(err).__name__}: "
+                                f"{str(err)[:300]}); use --wandb offline on a machine without network "
+                                "(`wandb sync` uploads later) or --wandb off") from None
 
     def row(self, **fields):
-        self.metrics.write(json.dumps(fields) + "\n")
-        self.metrics.flush()
+        try:
+            self.metrics.write(json.dumps(fields) + "\n")
+            self.metrics.flush()
+        except OSError as err:
+            raise write_error(self.path, err) from None
         if self.wandb is not None:
             self.wandb.log(flat_metrics({k: v for k, v in fields.items() if k != "step"}), step=fields["step"])
 
     def close(self):
-        self.metrics.close()
+        try:
+            self.metrics.close()
+        except OSError as err:
+            raise write_error(self.path, err) from None
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -681,11 +706,10 @@ def keep_rows_until(path, step):
 
 
 def write_json(path, obj):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+    except OSError as err:
+        raise write_error(path, err) from None
 
 
 def resolve_device(args, env=DistEnv()):
@@ -731,9 +755,11 @@ def main(argv=None):
     args = parse_args(argv)
     validate_args(args)
     check_out_dir(args)
+    check_wandb_login(args)
     env = init_distributed(args)
     try:
-        summary = train(args, env)
+        with contextlib.ExitStack() as cleanup:
+            summary = train(args, env, cleanup)
     finally:
         if env.world_size > 1:
             dist.destroy_process_group()
@@ -742,6 +768,21 @@ def main(argv=None):
     if summary["status"] == "interrupted":
         sys.exit(EXIT_INTERRUPTED)
     return summary
+
+
+def check_wandb_login(args):
+    """--wandb online needs credentials; without them wandb would fail (or prompt) only once the
+    model is built. Checked before anything starts; reads the key from WANDB_API_KEY or the netrc
+    file `wandb login` writes, without contacting the server."""
+    if args.wandb != "online" or os.environ.get("RANK", "0") != "0":
+        return
+    import wandb
+    try:
+        wandb.login(verify=False)
+    except Exception as err:  # wandb.errors.UsageError: no API key configured
+        raise UserError(f"--wandb online: not logged in to Weights & Biases ({str(err)[:200]}); run `wandb login` "
+                        "or set WANDB_API_KEY, or use --wandb offline (a local run that `wandb sync` "
+                        "uploads later) or --wandb off") from None
 
 
 def check_out_dir(args):
@@ -766,7 +807,8 @@ def check_out_dir(args):
 
 
 def clear_run(out_dir):
-    for path in [os.path.join(out_dir, f) for f in RUN_FILES] + glob.glob(os.path.join(out_dir, "*.pt")):
+    for path in ([os.path.join(out_dir, f) for f in RUN_FILES] + glob.glob(os.path.join(out_dir, "*.pt"))
+                 + glob.glob(os.path.join(out_dir, "*.pt.sha256"))):
         if os.path.exists(path):
             os.remove(path)
 
@@ -837,21 +879,31 @@ def auto_switch(step, fields, auto, model, muon, plan, args, env):
     return new, plan
 
 
-def train(args, env):
+def train(args, env, cleanup):
+    """The run; `cleanup` (contextlib.ExitStack) takes what must be undone when it ends (the lock)."""
     device, dtype, autocast = resolve_device(args, env)
     train_stream = TokenStream(find_shards(args.data_dir, "train"), args.vocab_size)
     val_stream = TokenStream(find_shards(args.data_dir, "val"), args.vocab_size)
     batches = TrainBatches(train_stream, args.seq_len, args.batch_size, args.grad_accum, args.seed,
                            env.rank, env.world_size)
+    if (val_stream.total - 1) // args.seq_len == 0:  # found now, not at the first eval
+        raise UserError(f"the val shards hold {val_stream.total} tokens: fewer than one sequence of "
+                        f"{args.seq_len} (+1) tokens; prepare more validation data or lower --seq-len")
     say = print if env.is_main else (lambda *a, **k: None)
-    resume_path, payload = find_resume_checkpoint(args, say) if args.resume else (None, None)
     if env.is_main:
         try:
             os.makedirs(args.out_dir, exist_ok=True)
         except OSError as err:
             raise UserError(f"cannot create --out-dir {args.out_dir}: {err.strerror}") from None
+        cleanup.callback(RunLock(args.out_dir).acquire().release)  # one run per folder, until we return
+        leftovers = remove_leftovers(args.out_dir)
+        if leftovers:
+            say(f"removed {len(leftovers)} temporary file(s) of an unfinished write: {', '.join(leftovers)}")
         if args.overwrite:
             clear_run(args.out_dir)
+    if env.world_size > 1:
+        check_shared_out_dir(args.out_dir, env.rank, env.world_size)
+    resume_path, payload = find_resume_checkpoint(args, say) if args.resume else (None, None)
 
     torch.manual_seed(args.seed)  # the same initialisation on every rank
     cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size)
@@ -906,102 +958,115 @@ def train(args, env):
     prefetch = Prefetcher(batches, start_step, device)
     status, diverged, step, saved_step = "completed", None, start_step - 1, start_step
     start = time.time()
-    for step in range(start_step, args.max_steps):
-        t0 = time.perf_counter()
-        lr = lr_at(step, args)
-        for group in adamw.param_groups:
-            group["lr"] = lr
-        for group in muon.param_groups:
-            group["lr"] = args.muon_lr * lr / args.lr
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(args.grad_accum):
-            x, y = prefetch.next(step, micro)
-            last = micro == args.grad_accum - 1
-            # gradients are all-reduced once, on the last micro-step
-            with contextlib.nullcontext() if last or env.world_size == 1 else step_model.no_sync():
-                with autocast:
-                    loss = step_model(x, y) / args.grad_accum
-                loss.backward()
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t_opt = time.perf_counter()
-        adamw.step()
-        muon.step()
-        adamw.zero_grad(set_to_none=True)
-        muon.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        # one reduction carries the loss and whether any rank was asked to stop
-        loss_total, stops = all_reduce_sum([loss_sum.item(), float(stop.requested)], env, device)
-        train_loss, stop_now = loss_total / env.world_size, stops > 0
-        step_ms, opt_ms = 1000 * (t1 - t0), 1000 * (t1 - t_opt)
-        if log:
-            solver = muon.stats()  # this rank's share of every bank; reading it syncs the device
-            log.row(step=step + 1, train_loss=train_loss, lr=lr, grad_norm=float(grad_norm),
-                    tokens_per_s=tokens_per_step / (t1 - t0), step_ms=step_ms, opt_ms=opt_ms,
-                    solver_iterations={bank: s["iterations"] for bank, s in solver.items()},
-                    solver_residual={bank: s["residual"] for bank, s in solver.items()})
-        if (step + 1) % args.log_every == 0 or step == start_step:
-            say(f"step {step + 1:6d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
-                f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_step / (t1 - t0):,.0f} tok/s",
-                flush=True)
-        evaluated = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
-        if evaluated and math.isfinite(train_loss):
-            val_loss, eval_tokens, eval_fields = evaluate_and_diagnose(
-                model, plan, val_stream, args, device, autocast, env)
-            replica_diff = replica_max_abs_diff(model, env)
+    write_failure = None  # a WriteError of rank 0: the run ends with status 5 after its summary
+    try:
+        for step in range(start_step, args.max_steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, args)
+            for group in adamw.param_groups:
+                group["lr"] = lr
+            for group in muon.param_groups:
+                group["lr"] = args.muon_lr * lr / args.lr
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(args.grad_accum):
+                x, y = prefetch.next(step, micro)
+                last = micro == args.grad_accum - 1
+                # gradients are all-reduced once, on the last micro-step
+                with contextlib.nullcontext() if last or env.world_size == 1 else step_model.no_sync():
+                    with autocast:
+                        loss = step_model(x, y) / args.grad_accum
+                    loss.backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t_opt = time.perf_counter()
+            adamw.step()
+            muon.step()
+            adamw.zero_grad(set_to_none=True)
+            muon.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            # one reduction carries the loss and whether any rank was asked to stop
+            loss_total, stops = all_reduce_sum([loss_sum.item(), float(stop.requested)], env, device)
+            train_loss, stop_now = loss_total / env.world_size, stops > 0
+            step_ms, opt_ms = 1000 * (t1 - t0), 1000 * (t1 - t_opt)
             if log:
-                log.row(step=step + 1, val_loss=val_loss, eval_tokens=eval_tokens,
-                        replica_max_abs_diff=replica_diff, **eval_fields)
-            say(f"step {step + 1:6d} | val loss {val_loss:.4f} ({eval_tokens:,} tokens)"
-                + (f" | replicas differ by {replica_diff:.1e}" if env.world_size > 1 else ""), flush=True)
-            if auto is not None:
-                switches, plan = auto_switch(step + 1, eval_fields, auto, model, muon, plan, args, env)
-                for switch in switches:
-                    say(f"step {step + 1:6d} | auto: layer {switch['layer']} attention -> stiefel "
-                        f"({switch['reason']})", flush=True)
-                    if log:
-                        log.row(**switch, event="auto_switch")
-        worst = max(train_loss, val_loss if evaluated and val_loss is not None else -math.inf)
-        if diverged is None and (not math.isfinite(worst) or worst > args.diverge_factor * best_val):
-            diverged = {"step": step + 1, **diagnostics(model, plan, args, train_loss, lr, float(grad_norm))}
-            say(f"step {step + 1}: diverged (loss {worst:.4g}, best val {best_val:.4g}); "
-                f"post-mortem checkpoint diverged_{step + 1:08d}.pt", file=sys.stderr, flush=True)
-            checkpoint(step + 1, prefix="diverged")
-            if args.on_diverge == "stop":
-                status = "diverged"
+                solver = muon.stats()  # this rank's share of every bank; reading it syncs the device
+                log.row(step=step + 1, train_loss=train_loss, lr=lr, grad_norm=float(grad_norm),
+                        tokens_per_s=tokens_per_step / (t1 - t0), step_ms=step_ms, opt_ms=opt_ms,
+                        solver_iterations={bank: s["iterations"] for bank, s in solver.items()},
+                        solver_residual={bank: s["residual"] for bank, s in solver.items()})
+            if (step + 1) % args.log_every == 0 or step == start_step:
+                say(f"step {step + 1:6d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
+                    f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_step / (t1 - t0):,.0f} tok/s",
+                    flush=True)
+            evaluated = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
+            if evaluated and math.isfinite(train_loss):
+                val_loss, eval_tokens, eval_fields = evaluate_and_diagnose(
+                    model, plan, val_stream, args, device, autocast, env)
+                replica_diff = replica_max_abs_diff(model, env)
+                if log:
+                    log.row(step=step + 1, val_loss=val_loss, eval_tokens=eval_tokens,
+                            replica_max_abs_diff=replica_diff, **eval_fields)
+                say(f"step {step + 1:6d} | val loss {val_loss:.4f} ({eval_tokens:,} tokens)"
+                    + (f" | replicas differ by {replica_diff:.1e}" if env.world_size > 1 else ""), flush=True)
+                if auto is not None:
+                    switches, plan = auto_switch(step + 1, eval_fields, auto, model, muon, plan, args, env)
+                    for switch in switches:
+                        say(f"step {step + 1:6d} | auto: layer {switch['layer']} attention -> stiefel "
+                            f"({switch['reason']})", flush=True)
+                        if log:
+                            log.row(**switch, event="auto_switch")
+            worst = max(train_loss, val_loss if evaluated and val_loss is not None else -math.inf)
+            if diverged is None and (not math.isfinite(worst) or worst > args.diverge_factor * best_val):
+                diverged = {"step": step + 1, **diagnostics(model, plan, args, train_loss, lr, float(grad_norm))}
+                say(f"step {step + 1}: diverged (loss {worst:.4g}, best val {best_val:.4g}); "
+                    f"post-mortem checkpoint diverged_{step + 1:08d}.pt", file=sys.stderr, flush=True)
+                checkpoint(step + 1, prefix="diverged")
+                if args.on_diverge == "stop":
+                    status = "diverged"
+                    break
+            if evaluated and val_loss is not None and math.isfinite(val_loss):
+                best_val = min(best_val, val_loss)
+            if stop_now or (args.ckpt_every and (step + 1) % args.ckpt_every == 0):
+                checkpoint(step + 1)
+                saved_step = step + 1
+            if stop_now:
+                status = "interrupted"
+                say(f"stopped by {stop.signal or 'another rank'} after step {step + 1}; "
+                    f"resume with --resume auto", file=sys.stderr, flush=True)
                 break
-        if evaluated and val_loss is not None and math.isfinite(val_loss):
-            best_val = min(best_val, val_loss)
-        if stop_now or (args.ckpt_every and (step + 1) % args.ckpt_every == 0):
-            checkpoint(step + 1)
-            saved_step = step + 1
-        if stop_now:
-            status = "interrupted"
-            say(f"stopped by {stop.signal or 'another rank'} after step {step + 1}; "
-                f"resume with --resume auto", file=sys.stderr, flush=True)
-            break
+        if status == "completed" and saved_step != args.max_steps:
+            checkpoint(args.max_steps)  # the final weights, and a resumable end state
+    except WriteError as err:
+        status, write_failure = "write_failed", err
     stop.uninstall()
     prefetch.close()
     steps_done = step + 1
-    if status == "completed" and saved_step != steps_done:
-        checkpoint(steps_done)  # the final weights, and a resumable end state
     summary = {"status": status, "steps": steps_done, "tokens": steps_done * tokens_per_step,
                "final_val_loss": val_loss, "final_train_loss": train_loss,
                "max_manifold_violation": max_violations(plan, args),
-               "world_size": env.world_size, "replica_max_abs_diff": replica_max_abs_diff(model, env),
-               "diverged": diverged, "wall_s": time.time() - start}
+               "world_size": env.world_size, "diverged": diverged, "wall_s": time.time() - start,
+               # a collective: not after a failed write, which only rank 0 met
+               "replica_max_abs_diff": replica_max_abs_diff(model, env) if write_failure is None else None}
+    if write_failure is not None:
+        summary["error"] = str(write_failure)
     if auto is not None:
         summary["auto_switches"] = auto.switches
     if device.type == "cuda":  # this rank's peak of tensors allocated (the caching allocator reserves more)
         summary["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if log:
-        write_json(os.path.join(args.out_dir, "summary.json"), summary)
-        log.close()
+        try:
+            write_json(os.path.join(args.out_dir, "summary.json"), summary)
+            log.close()
+        except WriteError:
+            if write_failure is None:
+                raise
         say(f"done: {json.dumps(summary)}")
+    if write_failure is not None:
+        raise write_failure
     return summary
 
 

@@ -255,9 +255,15 @@ def main(argv=None):
         raise UserError("interrupted; rerun the same command to resume from the last checkpoint") from None
     if progress["next_document"] == 0:
         raise UserError("the input holds no documents")
+    if progress["splits"]["train"]["documents"] == 0:  # not marked done: the trainer could not use it
+        raise UserError(f"every document fell in the validation split: {args.out_dir} has no train tokens; "
+                        "lower --val-fraction or give more documents")
     progress["done"] = True
     save_progress(args.out_dir, progress)
-    if args.val_fraction > 0 and progress["splits"]["val"]["documents"] == 0:
+    if args.val_fraction == 0:
+        print("warning: --val-fraction 0 writes no validation split; train_gpt2.py needs one (*val*.bin in "
+              "the same folder)", file=sys.stderr)
+    elif progress["splits"]["val"]["documents"] == 0:
         print("warning: no document fell in the validation split (the trainer needs one); "
               "raise --val-fraction or change --seed", file=sys.stderr)
     elapsed = time.time() - started

@@ -9,8 +9,7 @@ from data.shards import write_shard
 def pattern_tokens(n, vocab, seed):
     """A noisy cycle: token t+1 = (token t + 1) mod vocab most of the time. Learnable fast."""
     rng = np.random.default_rng(seed)
-    tokens = np.empty(n, dtype=np.int64)
-    tokens[0] = 0
+    tokens = np.zeros(n, dtype=np.int64)
     jumps = rng.random(n) < 0.1
     noise = rng.integers(0, vocab, n)
     for i in range(1, n):

@@ -1,25 +1,42 @@
-"""Checkpoint files: atomic writes, rotation, and finding the newest one that loads.
+"""Checkpoint files: atomic, verified writes, rotation, and finding the newest one that loads.
 
 A checkpoint is one torch.save file `ckpt_<step>.pt` in the run folder, `step` being the
-number of optimizer steps done (the next step to run). It is written to a temporary name,
-fsynced, renamed, and the folder fsynced, so a crash leaves either the old set of files or
-the new one, never a half-written checkpoint under a real name. Only tensors and plain
+number of optimizer steps done (the next step to run), and beside it `ckpt_<step>.pt.sha256`,
+its SHA-256 in `sha256sum` format (so `sha256sum -c ckpt_<step>.pt.sha256` checks it by hand).
+Write order, each step fsynced: the payload to `ckpt_<step>.pt.tmp` (hashed as it is written),
+the manifest (atomically), then the rename of the payload. A crash leaves the old set of files
+or the new one, never a half-written checkpoint under a real name, and never a checkpoint
+without its manifest; a manifest without its checkpoint is harmless and removed by rotation.
+
+Loading re-hashes the file and compares: bytes that changed after the write (bit rot, a bad
+copy, a disk that lies) make a checkpoint "corrupt" like a truncated one, and `load_newest`
+skips it. Checkpoints written before manifests existed load unverified. Only tensors and plain
 Python values are stored, so loading uses torch.load(weights_only=True).
+
+Disk use of rotation: `keep` checkpoints plus the one being written, (keep + 1) x its size at
+the peak. A write that fails (full disk, quota, I/O error) removes its temporary file, leaves the
+previous checkpoints as they were and raises WriteError.
 """
 import glob
+import hashlib
+import io
 import os
 import re
 
 import torch
 
+from errors import write_error
+
 NAME = re.compile(r"ckpt_(\d{8})\.pt$")
+MANIFEST = ".sha256"
+HASH_CHUNK = 1 << 22  # 4 MiB reads when verifying
 
 
 def checkpoint_path(out_dir, step, prefix="ckpt"):
     return os.path.join(out_dir, f"{prefix}_{step:08d}.pt")
 
 
-def _fsync_dir(path):
+def fsync_dir(path):
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -27,14 +44,64 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def save_atomic(payload, path):
+class HashingWriter(io.RawIOBase):
+    """A write-only file that updates a SHA-256 with every byte it passes to `file`."""
+
+    def __init__(self, file):
+        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+        self.error = None  # the OSError a write met: torch.save's zip writer masks it with its own
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        try:
+            written = self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+        self.sha256.update(memoryview(data)[:written])
+        self.size += written
+        return written
+
+
+def write_text_atomic(path, text):
+    """`text` into `path` by a fsynced temporary file and a rename."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
+    with open(tmp, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def save_atomic(payload, path):
+    """torch.save `payload` to `path` with its manifest; returns the SHA-256 (hex).
+    On an OSError (ENOSPC, EDQUOT, EIO, ...) the temporary files go and WriteError is raised."""
+    tmp, writer = f"{path}.tmp", None
+    try:
+        with open(tmp, "wb") as f:
+            writer = HashingWriter(f)
+            torch.save(payload, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        digest = writer.sha256.hexdigest()
+        write_text_atomic(path + MANIFEST, f"{digest}  {os.path.basename(path)}\n")
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except (OSError, RuntimeError) as err:
+        # a failed write inside torch.save surfaces as "RuntimeError: [enforce fail at
+        # inline_container.cc] unexpected pos": the writer kept the OSError behind it
+        cause = err if isinstance(err, OSError) else (writer.error if writer is not None else None)
+        if cause is None:
+            raise
+        for leftover in (tmp, path + MANIFEST + ".tmp"):
+            try:
+                os.remove(leftover)
+            except OSError:
+                pass
+        raise write_error(path, cause) from None
+    return digest
 
 
 def list_checkpoints(out_dir):
@@ -44,17 +111,53 @@ def list_checkpoints(out_dir):
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def remove_checkpoint(path):
+    for name in (path, path + MANIFEST):
+        if os.path.exists(name):
+            os.remove(name)
+
+
 def save_checkpoint(payload, out_dir, step, keep):
-    """Write ckpt_<step>.pt atomically, then delete all but the newest `keep`."""
+    """Write ckpt_<step>.pt atomically, then delete all but the newest `keep` (and stray manifests)."""
     path = checkpoint_path(out_dir, step)
     save_atomic(payload, path)
     for old in list_checkpoints(out_dir)[keep:]:
-        os.remove(old)
+        remove_checkpoint(old)
+    for manifest in glob.glob(os.path.join(out_dir, "ckpt_*.pt" + MANIFEST)):
+        if not os.path.exists(manifest[:-len(MANIFEST)]):
+            os.remove(manifest)
     return path
 
 
+def file_sha256(path):
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def verify(path):
+    """Raise ValueError unless `path` hashes to its manifest's SHA-256; True if it was checked,
+    False for a checkpoint without a manifest (written before manifests existed)."""
+    manifest = path + MANIFEST
+    if not os.path.exists(manifest):
+        return False
+    try:
+        want = open(manifest).read().split()[0]
+        got = file_sha256(path)
+    except (OSError, IndexError) as err:
+        raise ValueError(f"{path}: cannot check its checksum ({err})") from None
+    if got != want:
+        raise ValueError(f"{path}: corrupt checkpoint (SHA-256 {got[:16]}... differs from {want[:16]}... "
+                         f"in {os.path.basename(manifest)}: its bytes changed after it was written)")
+    return True
+
+
 def load_checkpoint(path):
-    """The payload of a checkpoint file; raises ValueError if it is unreadable or incomplete."""
+    """The payload of a checkpoint file, verified against its manifest; raises ValueError if it is
+    corrupt, unreadable or incomplete."""
+    verify(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, bad pickle, wrong format: all mean "corrupt"
@@ -72,3 +175,4 @@ def load_newest(out_dir, report):
         except ValueError as err:
             report(f"skipping {err}")
     return None, None
+
