@@ -25,10 +25,13 @@ Design:
   and plain TF32 where torch was told to allow TF32 for its own fp32 matmuls.
 - Tiles: autotuned on the GPU among four 64/128-wide configurations (4-8 warps, 3-5
   pipeline stages) for problems of GPT-2 size, one 32-wide configuration for small problems.
+  The autotuner first drops the configurations the device cannot run or that spill badly for
+  the operands' dtype (keeps_config; figures from ahead-of-time builds, bench/aot_compile.py).
   Under the Triton interpreter (TRITON_INTERPRET=1, tests on CPU) only the 32-wide
   configuration exists, and tiles are cast to fp32 before tl.dot: the interpreter's bf16 dot
   and bf16 arithmetic are wrong, its fp32 ones exact.
 """
+import functools
 from collections import Counter
 
 import torch
@@ -215,6 +218,65 @@ GPU_CONFIGS = {
                    _rect(128, 64, 32, 4, 4)],
     "symmetric_gram": _square_tiles(),
 }
+
+
+def _tile(config):
+    kw = config.kwargs
+    return kw.get("BLOCK_M", kw.get("BLOCK")), kw.get("BLOCK_N", kw.get("BLOCK")), kw["BLOCK_K"]
+
+
+def shared_memory_estimate(config, dtype, capability, precision="tf32x3"):
+    """Shared memory (bytes) a configuration's build allocates, an upper bound calibrated on
+    ahead-of-time builds (bench/aot_compile.py, Triton 3.6 and 3.7): the software pipeline's
+    buffers of the two operand tiles, (BLOCK_M + BLOCK_N) * BLOCK_K elements each. sm_8x
+    keeps num_stages - 1 of them (cp.async), sm_90 num_stages; there 3xTF32 stages one more
+    BLOCK_M x BLOCK_K tile in some builds. No epilogue needs more (nor any flag set). Other
+    targets are not calibrated: num_stages buffers."""
+    block_m, block_n, block_k = _tile(config)
+    buffers = max(1, config.num_stages - 1) if capability[0] == 8 else config.num_stages
+    extra = block_m * block_k if capability[0] >= 9 and dtype == torch.float32 and precision == "tf32x3" else 0
+    return (buffers * (block_m + block_n) * block_k + extra) * dtype.itemsize
+
+
+def keeps_config(config, dtype, capability, smem_limit, precision="tf32x3"):
+    """Whether the autotuner should try `config` for `dtype` operands on a GPU of compute
+    `capability` (major, minor) whose blocks may use `smem_limit` bytes of shared memory, with
+    tl.dot's `precision` for fp32 operands. A pure function: the tests check it without a GPU.
+
+    Dropped: builds whose shared memory exceeds the limit (they fail to launch: the fp32
+    128 x 256 x 64 tiles on sm_80 and sm_90), and, for fp32 with 3xTF32 on sm_8x, tiles of
+    128 rows: their builds spill 0.3-28 KB of registers (the 64-row ones at most 1.3 KB)."""
+    if shared_memory_estimate(config, dtype, capability, precision) > smem_limit:
+        return False
+    if capability[0] == 8 and dtype == torch.float32 and precision == "tf32x3" and _tile(config)[0] >= 128:
+        return False
+    return True
+
+
+_DEVICE_LIMITS = {}
+
+
+def _device_limits(device):
+    """(capability, shared memory a block may opt into) of a CUDA device, cached. The limit is
+    the one Triton checks before a launch (else OutOfResources)."""
+    if device not in _DEVICE_LIMITS:
+        from triton.runtime import driver
+        smem = driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
+        _DEVICE_LIMITS[device] = (torch.cuda.get_device_capability(device), smem)
+    return _DEVICE_LIMITS[device]
+
+
+def _prune(name, configs, named_args, **kwargs):
+    """The autotuner's early_config_prune for kernel `name`: the configurations keeps_config
+    keeps for this call's dtype and device, or the SMALL one if none is (it fits every GPU)."""
+    operand = next(iter(named_args.values()))
+    if operand.device.type != "cuda":  # the interpreter has no limits
+        return configs
+    capability, smem = _device_limits(operand.device)
+    kept = [c for c in configs if keeps_config(c, operand.dtype, capability, smem, kwargs.get("PRECISION"))]
+    return kept or [SMALL_CONFIGS[name]]
+
+
 TUNING_KEYS = {"sym_product": ["M", "K", "HAS_C"], "matmul_add": ["M", "N", "K"],
                "symmetric_gram": ["P", "Q", "ZERO_DIAGONAL", "DIVIDE", "HAS_BASE"]}
 
@@ -225,7 +287,8 @@ def make_tuner(name, configs=None, do_bench=None):
     configs = GPU_CONFIGS[name] if configs is None else configs
     if any(config.kwargs.get("BLOCK", SMALL) < SMALL for config in configs):
         raise ValueError(f"{name}: tiles narrower than {SMALL} would overrun the sumsq slots")
-    return triton.autotune(configs, key=TUNING_KEYS[name], do_bench=do_bench)(_jit[name])
+    return triton.autotune(configs, key=TUNING_KEYS[name], do_bench=do_bench,
+                           prune_configs_by={"early_config_prune": functools.partial(_prune, name)})(_jit[name])
 
 
 # GPU problems of GPT-2 size: autotuned among GPU_CONFIGS (the key's dtypes are added by Triton)
@@ -265,6 +328,23 @@ def _launch(name, grid, args, size, key, **constexprs):
 def upper_tiles(n, block):
     tiles = triton.cdiv(n, block)
     return tiles * (tiles + 1) // 2
+
+
+# The constexpr flags the wrappers below launch each kernel with, for every call of the API
+# (kernels/matrix_sign.py, kernels/tangent.py): what an ahead-of-time build must cover.
+# tests/test_aot_compile.py checks the list against the wrappers' real launches.
+_GRAM_FLAGS = ("ZERO_DIAGONAL", "DIVIDE", "HAS_SCALE", "HAS_BASE", "WANT_SUMSQ")
+WRAPPER_FLAGS = {
+    "sym_product": [dict(HAS_C=False), dict(HAS_C=True)],
+    "matmul_add": [{}],
+    "symmetric_gram": [dict(zip(_GRAM_FLAGS, values)) for zero_diagonal in (False, True) for values in (
+        (zero_diagonal, False, False, False, False),     # tangent_residual, symmetric_part
+        (zero_diagonal, False, False, False, True),      # tangent_residual with ||H||^2
+        (zero_diagonal, True, False, False, False),      # preconditioned, alpha a float
+        (zero_diagonal, True, True, False, False),       # preconditioned, alpha per matrix
+        (zero_diagonal, True, False, True, False),       # dual_update, step a float
+        (zero_diagonal, True, True, True, False))],      # dual_update, step per matrix
+}
 
 
 # ----------------------------------------------------------------------------------------
