@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data.progress import require_finished
-from data.shards import ShardError, open_tokens
+from data.shards import ShardError, ShardReader
 from errors import UserError, WriteError, run_cli, write_error
 from kernels import BACKENDS as KERNEL_BACKENDS, check_backend
 from training.checkpoints import (checkpoint_path, load_checkpoint, load_newest, save_atomic, save_checkpoint,
@@ -283,7 +283,7 @@ class TokenStream:
         self.paths = paths
         self.vocab_size = vocab_size
         try:
-            self.shards = [open_tokens(p) for p in paths]
+            self.shards = [ShardReader(p) for p in paths]
         except ShardError as err:
             raise UserError(str(err)) from None
         sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
@@ -300,13 +300,20 @@ class TokenStream:
             shard = int(np.searchsorted(self.offsets, position, side="right")) - 1
             local = position - self.offsets[shard]
             take = min(start + length - position, len(self.shards[shard]) - local)
-            pieces.append(self.shards[shard][local:local + take])
+            try:
+                pieces.append(self.shards[shard].read(local, take))
+            except ShardError as err:
+                raise UserError(str(err)) from None
             position += take
         tokens = np.concatenate(pieces).astype(np.int64)
         if tokens.max(initial=0) >= self.vocab_size:
             raise UserError(f"token id {int(tokens.max())} >= --vocab-size {self.vocab_size} in "
                             f"{self.describe(start)}; the shards do not match this model")
         return tokens
+
+    def fingerprint(self):
+        """[(shard file name, token count)]: what a resume compares to tell changed data."""
+        return [[os.path.basename(path), len(shard)] for path, shard in zip(self.paths, self.shards)]
 
     def describe(self, position):
         shard = int(np.searchsorted(self.offsets, position, side="right")) - 1
@@ -918,6 +925,9 @@ def train(args, env, cleanup):
     start_step, best_val, val_loss, train_loss = 0, math.inf, None, None
     if payload is not None:
         restore(payload, model, adamw, muon, args)
+        if payload.get("train_shards", train_stream.fingerprint()) != train_stream.fingerprint():
+            say(f"warning: the train shards in {args.data_dir} are not those of the checkpoint (files or token "
+                "counts differ): the resumed run reads other data than the original would have", file=sys.stderr)
         start_step, best_val = payload["step"], payload["best_val_loss"]
         val_loss, train_loss = payload["val_loss"], payload["train_loss"]
         say(f"resuming from {resume_path} at step {start_step}")
@@ -947,6 +957,7 @@ def train(args, env, cleanup):
         if env.is_main:
             losses = {"best_val_loss": best_val, "val_loss": val_loss, "train_loss": train_loss}
             state = checkpoint_payload(step, model, adamw, muon_state, losses, args)
+            state["train_shards"] = train_stream.fingerprint()
             if auto is not None:
                 state["auto"] = auto.state_dict()
             if prefix == "ckpt":

@@ -101,3 +101,32 @@ def open_tokens(path):
     """Memory-mapped uint16 view of a shard's tokens (header validated)."""
     count = read_header(path)
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+class ShardReader:
+    """A shard's tokens read with pread, for a training run that reads it for hours.
+
+    A memory map of a file that shrinks under it (rewritten in place by another job) kills the
+    process with SIGBUS at the next read of the lost pages; pread returns short instead, and that
+    is reported here as a ShardError naming the file. A shard replaced by a rename goes on being
+    read from the file that was opened, consistently.
+    """
+
+    def __init__(self, path):
+        self.path, self.count = path, read_header(path)
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self):
+        return self.count
+
+    def read(self, start, length):
+        """Tokens [start, start + length) as a uint16 array."""
+        want = length * TOKEN_DTYPE.itemsize
+        data = os.pread(self.fd, want, HEADER_BYTES + start * TOKEN_DTYPE.itemsize)
+        if len(data) != want:
+            raise ShardError(f"{self.path} changed while the run read it: {len(data)} of {want} bytes at token "
+                             f"{start} (the header said {self.count} tokens); do not rewrite shards in use")
+        return np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+    def close(self):
+        os.close(self.fd)

@@ -241,3 +241,23 @@ def test_prepare_refuses_a_split_with_no_train_documents(tmp_path):
                              "--out-dir", str(tmp_path / "shards"), "--val-fraction", "0.999999", "--num-proc", "1"],
                             capture_output=True, text=True, timeout=120, env=ENV)
     assert "every document fell in the validation split" in result.stderr and result.returncode == 2
+
+
+def test_resuming_on_changed_train_shards_warns(data_dir, tmp_path):
+    out = tmp_path / "run"
+    assert run(data_dir, out, "--max-steps", "4").returncode == 0
+    changed = make_shards(str(tmp_path / "changed"), train_tokens=24000)
+    result = run(changed, out, "--max-steps", "6", "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert "warning: the train shards" in result.stderr
+    again = run(changed, out, "--max-steps", "8", "--resume", "auto")
+    assert again.returncode == 0 and "warning" not in again.stderr
+
+
+def test_a_shard_rewritten_shorter_while_training_is_an_error_not_a_crash(tmp_path):
+    data = make_shards(str(tmp_path / "data"), train_tokens=40000, train_shards=1)
+    stream = train_gpt2.TokenStream(train_gpt2.find_shards(data, "train"), 64)
+    assert len(stream.read(39000, 100)) == 100
+    os.truncate(os.path.join(data, "train_000000.bin"), 1024 + 2 * 1000)  # another job rewrote it
+    with pytest.raises(UserError, match="train_000000.bin changed while the run read it"):
+        stream.read(39000, 100)
