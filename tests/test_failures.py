@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 import train_gpt2
 from errors import EXIT_WRITE_FAILED, UserError, WriteError, run_cli
 from synthetic import make_shards
-from test_reliability import ENV, RUN, command, has_checkpoint, has_rows, run, start_then, train_losses
+from test_reliability import (ENV, RUN, command, has_checkpoint, has_rows, killed_after_two_checkpoints, run,
+                              start_then, train_losses)
 from training import checkpoints
 from training.run_dir import check_shared_out_dir
 
@@ -40,10 +41,7 @@ def one_error_line(result, status=2):
 
 
 def test_changed_bytes_inside_the_newest_checkpoint_are_detected_and_skipped(data_dir, straight, tmp_path):
-    proc = start_then(data_dir, tmp_path, has_checkpoint(12))
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    newest = tmp_path / "ckpt_00000012.pt"
+    newest, before = killed_after_two_checkpoints(data_dir, tmp_path)
     size = os.path.getsize(newest)
     with open(newest, "r+b") as f:  # 8 bytes in the middle: the zip stays readable, a tensor changes
         f.seek(size // 2)
@@ -55,8 +53,8 @@ def test_changed_bytes_inside_the_newest_checkpoint_are_detected_and_skipped(dat
     result = run(data_dir, tmp_path, "--resume", "auto")
     assert result.returncode == 0, result.stderr
     assert "skipping" in result.stdout and "corrupt checkpoint" in result.stdout
-    assert "resuming from" in result.stdout and "ckpt_00000008.pt" in result.stdout
-    assert train_losses(tmp_path) == train_losses(straight)  # bitwise, from step 8 on
+    assert "resuming from" in result.stdout and before.name in result.stdout
+    assert train_losses(tmp_path) == train_losses(straight)  # bitwise, from the one before on
     # --resume PATH of a corrupt file is an error, not a silent load
     checkpoints.save_atomic({"format": "manifold-muon-ckpt-1"}, str(tmp_path / "other.pt"))
     with open(tmp_path / "other.pt", "r+b") as f:
