@@ -51,7 +51,8 @@ def test_quick_runs_the_five_presets_and_writes_the_report(data_dir, tmp_path):
     assert list(rows) == PRESETS
     for preset, row in rows.items():
         summary = json.load(open(runs / preset / "summary.json"))
-        assert row[1] == f"{summary['final_val_loss']:.4f}" and row[2] == "4" and row[3] == "512"
+        # tokens: 4 steps x 8 sequences x 32
+        assert row[1] == f"{summary['final_val_loss']:.4f}" and row[2] == "4" and row[3] == "1,024"
     assert rows["all-stiefel"][7] == rows["all-stiefel"][8] == "1.000"  # Stiefel: every sigma is 1
     assert (runs / "report.png").stat().st_size > 20_000
 
