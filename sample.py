@@ -21,19 +21,15 @@ import torch
 
 from data.bpe import gpt2_encoding
 from errors import UserError, run_cli
-from training.model_io import (EOT, features, find_checkpoint, load_model, mask_padded, pick_device,
-                               require_gpt2_vocab)
+from training.model_io import (EOT, HelpFormatter, add_checkpoint_flags, features, find_checkpoint, load_model,
+                               mask_padded, pick_device, require_gpt2_vocab)
 
 SEPARATOR = "-" * 40
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
-        "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="PATH", help="a checkpoint file (ckpt_<step>.pt)")
-    source.add_argument("--out-dir", metavar="DIR",
-                        help="a run folder: its newest checkpoint that loads (corrupt ones are skipped)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    add_checkpoint_flags(p)
     p.add_argument("--prompt", default="", help="text to continue (empty: the model starts a document)")
     p.add_argument("--num-samples", type=int, default=3, help="independent continuations of the prompt")
     p.add_argument("--max-new-tokens", type=int, default=100, help="most tokens generated per sample")
@@ -42,10 +38,6 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=200,
                    help="sample among the k most likely tokens only (0 = all 50257)")
     p.add_argument("--seed", type=int, default=1337, help="seed of the sampling; same seed, same text")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto = cuda when available, else cpu (the model runs in float32)")
-    p.add_argument("--bpe-file", metavar="PATH", default=None,
-                   help="a local gpt2.tiktoken rank file (default: tiktoken, else openai-whisper's copy)")
     return p.parse_args(argv)
 
 

@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.results import Results  # noqa: E402
 from data.bpe import gpt2_encoding  # noqa: E402
 from errors import UserError, run_cli  # noqa: E402
-from training.model_io import (EOT, find_checkpoint, gpt2_logits, load_model, pick_device,  # noqa: E402
-                               require_gpt2_vocab)
+from training.model_io import (EOT, HelpFormatter, add_checkpoint_flags, find_checkpoint,  # noqa: E402
+                               gpt2_logits, load_model, pick_device, require_gpt2_vocab)
 
 HUB_DATASET = "Rowan/hellaswag"
 ENDINGS = 4
@@ -172,12 +172,8 @@ def evaluate(items, score, encode, results=None, log_every=0, say=lambda *a: Non
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
-        "Formatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="PATH", help="a checkpoint file (ckpt_<step>.pt)")
-    source.add_argument("--out-dir", metavar="DIR",
-                        help="a run folder: its newest checkpoint that loads (corrupt ones are skipped)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    add_checkpoint_flags(p)
     p.add_argument("--jsonl", metavar="PATH", default=None,
                    help=f"a local HellaSwag jsonl instead of the hub's {HUB_DATASET}")
     p.add_argument("--split", default="validation", help=f"split of {HUB_DATASET} (the test split has no labels)")
@@ -186,10 +182,6 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="PATH", default=None,
                    help="write the summary and every item's scores there (rewritten every --log-every items)")
     p.add_argument("--log-every", type=int, default=500, help="a progress line every N items")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto = cuda when available, else cpu (the model runs in float32)")
-    p.add_argument("--bpe-file", metavar="PATH", default=None,
-                   help="a local gpt2.tiktoken rank file (default: tiktoken, else openai-whisper's copy)")
     return p.parse_args(argv)
 
 

@@ -10,6 +10,7 @@ Vocabulary: the embedding has --vocab-size rows (50304 = GPT-2's 50257 padded to
 and the tokenizer cannot decode them, so every consumer here treats their logits as -inf
 (`gpt2_logits`), which is the same as cutting the head to 50257 rows (what export_hf.py does).
 """
+import argparse
 import os
 
 import torch
@@ -112,3 +113,30 @@ def pick_device(name):
             raise UserError("--device cuda was asked for but no CUDA device is available")
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------------------
+# The flags every tool on a checkpoint shares
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the module docstring's layout and shows the defaults that say something
+    (not those of on/off switches, nor None or an empty string)."""
+
+    def _get_help_string(self, action):
+        if action.nargs == 0 or action.default is None or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_checkpoint_flags(parser, device=True):
+    """--checkpoint PATH | --out-dir DIR (one of them), --device (if `device`), --bpe-file."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="PATH", help="a checkpoint file (ckpt_<step>.pt)")
+    source.add_argument("--out-dir", metavar="DIR",
+                        help="a run folder: its newest checkpoint that loads (corrupt ones are skipped)")
+    if device:
+        parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                            help="auto = cuda when available, else cpu (the model runs in float32)")
+    parser.add_argument("--bpe-file", metavar="PATH", default=None,
+                        help="a local gpt2.tiktoken rank file (default: tiktoken's, else openai-whisper's copy)")
