@@ -16,15 +16,15 @@ from training.checkpoints import load_checkpoint
 from training.model_io import EOT, GPT2_VOCAB, find_checkpoint, gpt2_logits, load_model
 
 transformers = pytest.importorskip("transformers")
-# fp32 on both sides, the same products in another order (Conv1D's addmm with a zero bias,
-# attention by HF's path): differences are rounding, ~1e-7 of the logit scale; 1e-5 leaves room
-# for other BLAS builds while a wrong mapping (a missed transpose or gain) is off by O(1).
-RELATIVE_TOLERANCE = 1e-5
+# fp32 on both sides, the same products (Conv1D's addmm with a zero bias, attention by HF's
+# path): differences are rounding (0 measured here; ~1e-7 of the logit scale on other BLAS builds);
+# 1e-5 still catches the tanh GELU for the exact one (~6e-5 on this model) and any wrong transpose or gain (O(1)).
+RELATIVE_TOLERANCE = export_hf.VERIFY_TOLERANCE
 PARAGRAPH = ("GPT-2's byte-level BPE: it doesn't drop anything.  Two spaces,\tone tab,\n\n\nthree newlines;"
              "    four spaces then text.\r\nWindows line end, trailing spaces   \n"
-             "Ünïcödé: naïve café, Æsir, Привет мир, 日本語のテキスト, 한국어, emoji 🤖🚀 and 👩‍👩‍👧 (a ZWJ sequence), "
-             "math ∑ x² ≤ ∞, numbers 1234567 3.14159 -42, contractions we'll they're I've, URLs https://a.b/c?d=e&f "
-             "and symbols @#$%^&*()[]{}<>~`|\\ end.   ")
+             "Ünïcödé: naïve café, Æsir, Привет мир, 日本語のテキスト, 한국어, emoji 🤖🚀 and 👩‍👩‍👧 "
+             "(a ZWJ sequence), math ∑ x² ≤ ∞, numbers 1234567 3.14159 -42, contractions we'll they're I've, "
+             "URLs https://a.b/c?d=e&f and symbols @#$%^&*()[]{}<>~`|\\ end.   ")
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +153,15 @@ def test_overwrite_replaces_an_earlier_export(exported, tmp_path):
     export_hf.main(["--checkpoint", write_checkpoint(tmp_path / "other", other), "--hf-dir", folder, "--overwrite"])
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder)
     assert torch.equal(hf.transformer.wpe.weight, other.wpe.weight)
+
+
+def test_a_wrong_mapping_is_caught_and_leaves_no_folder(exported, tmp_path, monkeypatch):
+    """The export's own check: HF's exact GELU swapped for the tanh one ("gelu_new") is refused."""
+    _, payload = find_checkpoint(checkpoint=exported[2])
+    right = export_hf.hf_config
+    monkeypatch.setattr(export_hf, "hf_config", lambda cfg: right(cfg).__class__(
+        **{**right(cfg).to_dict(), "activation_function": "gelu_new"}))
+    folder = tmp_path / "hf"
+    with pytest.raises(export_hf.UserError, match="logits differ"):
+        export_hf.export(payload, str(folder), gpt2_encoding()[0])
+    assert not folder.exists() and not (tmp_path / "hf.tmp").exists()

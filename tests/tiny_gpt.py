@@ -1,8 +1,9 @@
 """Tiny GPT-2-vocabulary checkpoints for the tests of sample.py, export_hf.py and bench/hellaswag.py.
 
 A checkpoint payload as the trainer writes it, for what those tools read: "format", "step",
-"model" (the state dict) and "args" (the trainer's own parsed flags). The LayerNorm gains are
-drawn away from 1 so that a mapping that dropped or misplaced them would show in the logits.
+"model" (the state dict) and "args" (the trainer's own parsed flags). The weights are drawn so
+that every part of the model shows in the logits (GPT-2's init at this width leaves the blocks
+almost silent): LayerNorm gains away from 1, larger QKV and MLP input matrices, a larger embedding.
 """
 import os
 
@@ -21,6 +22,8 @@ def tiny_model(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=50304, see
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif "wte" in name:
                 p.mul_(25)  # std 0.5: logits far from uniform, so samples and scores depend on the weights
+            elif "c_attn" in name or "c_fc" in name:
+                p.mul_(20)  # pre-activations of order 1: attention far from uniform, GELU far from linear
     return model.eval()
 
 
