@@ -97,11 +97,10 @@ def sample(args, say=lambda *a: print(*a, file=sys.stderr)):
     saved = payload.get("args", {})
     say(f"{path}: step {payload.get('step')}, assign {saved.get('assign')}, {cfg.n_layer}L {cfg.n_head}H "
         f"{cfg.n_embd}D, context {cfg.seq_len}, on {device.type}; BPE from {bpe_source}")
-    # "<|endoftext|>" typed in a prompt is the document separator, not six characters of text
+    # "<|endoftext|>" typed in a prompt is the document separator, not 13 characters of text
     prompt = encoding.encode(args.prompt, allowed_special="all")
     if len(prompt) + 1 > cfg.seq_len:
         say(f"the prompt has {len(prompt)} tokens: the model sees only the last {cfg.seq_len} of the context")
-    torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     context = [EOT] + prompt
     rows = generate(model, context, args.num_samples, args.max_new_tokens, args.temperature, args.top_k, generator)

@@ -1,4 +1,6 @@
 """sample.py: continuations of a prompt, deterministic per seed, within the model's context."""
+import os
+
 import pytest
 import torch
 
@@ -28,6 +30,12 @@ def test_samples_continue_the_prompt_and_depend_only_on_the_seed(checkpoint):
     assert texts(*flags, "--seed", "1") == first
     assert texts(*flags, "--seed", "2") != first
     assert first[0] != first[1]  # two draws, not one repeated
+
+
+def test_a_run_folder_gives_its_newest_checkpoint(checkpoint):
+    """--out-dir DIR reads the same checkpoint as --checkpoint DIR/ckpt_<step>.pt (the only one there)."""
+    flags = ("--prompt", PROMPT, "--num-samples", "1", "--max-new-tokens", "6", "--seed", "3")
+    assert texts("--out-dir", os.path.dirname(checkpoint), *flags) == texts("--checkpoint", checkpoint, *flags)
 
 
 def test_greedy_decoding_is_the_argmax_chain(checkpoint):
