@@ -373,7 +373,7 @@ class TrainBatches:
 class Prefetcher:
     """TrainBatches of the loop's micro-steps, in loop order from `start_step`, read ahead.
 
-    A background thread reads the next `depth` micro-batches (memory-mapped shards, then a stack)
+    A background thread reads the next `depth` micro-batches (pread from the shards, then a stack)
     and, on CUDA, pins them, while the current one computes: a non_blocking copy from pageable
     memory is a synchronous one, from pinned memory it overlaps. One (B, T + 1) copy per
     micro-step; inputs and targets are views of it on the device. The order is fixed by the
