@@ -50,8 +50,8 @@ setup() {
 demo() {
     setup
     rm -rf data/sample_shards  # tokenize afresh: prepare.py refuses a folder made from other input
-    "$VENV/bin/python" data/prepare.py --files data/sample/alice.jsonl --out-dir data/sample_shards \
-        --val-fraction 0.1
+    "$VENV/bin/python" data/prepare.py --files data/sample/books.jsonl --out-dir data/sample_shards \
+        --val-fraction 0.03
     "$VENV/bin/python" train_gpt2.py --assign hetero --data-dir data/sample_shards --out-dir runs/demo \
         --n-layer 2 --n-head 2 --n-embd 64 --seq-len 64 --total-batch-size 8 --batch-size 8 --max-steps 60 \
         --warmup-steps 1 --eval-every 30 --eval-tokens 4096 --device cpu --wandb off "$@"
@@ -72,7 +72,8 @@ EOF
 
 # Sets DATA_DIR for quick: a small OpenWebText sample from the hub, or offline the bundled text.
 quick_data() {
-    local owt="$DATA_ROOT/openwebtext-10k" sample="$DATA_ROOT/sample_shards"
+    # the sample gets its own folder: prepare.py refuses one made from other input
+    local owt="$DATA_ROOT/openwebtext-10k" sample="$DATA_ROOT/sample_books"
     if finished "$owt"; then DATA_DIR=$owt; return; fi
     if hub_reachable; then
         echo "== preparing $OWT_SAMPLE (10k OpenWebText documents, about 11M tokens) in $owt"
@@ -82,10 +83,11 @@ quick_data() {
         fi
         echo "could not prepare $OWT_SAMPLE (above); using the bundled sample text instead" >&2
     fi
-    echo "== no network: training on the bundled sample text (data/sample/alice.jsonl, about 40k tokens)."
+    echo "== no network: training on the bundled sample text (data/sample/books.jsonl: three public-domain"
+    echo "   books, 214k tokens; under one epoch in the quick setting)."
     echo "   For your own text: $VENV/bin/python data/prepare.py --files books/*.txt more.jsonl --out-dir data/mine"
     echo "   then: bash run.sh quick --data-dir data/mine"
-    "$VENV/bin/python" data/prepare.py --files data/sample/alice.jsonl --out-dir "$sample" --val-fraction 0.1
+    "$VENV/bin/python" data/prepare.py --files data/sample/books.jsonl --out-dir "$sample" --val-fraction 0.03
     DATA_DIR=$sample
 }
 

@@ -77,7 +77,7 @@ def test_quick_without_data_dir_offline_trains_on_the_bundled_sample(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "no network" in result.stdout and "data/prepare.py --files" in result.stdout
     config = json.load(open(tmp_path / "runs" / "hetero" / "config.json"))
-    assert config["data_dir"] == str(tmp_path / "data" / "sample_shards") and config["vocab_size"] == 50304
+    assert config["data_dir"] == str(tmp_path / "data" / "sample_books") and config["vocab_size"] == 50304
 
 
 @pytest.mark.parametrize("args, message", [
