@@ -600,15 +600,23 @@ def max_violations(plan, args):
 # Evaluation: a fixed prefix of the validation stream
 
 
+def val_windows(stream, args):
+    """Sequences an evaluation reads: the first --eval-tokens of the val stream, at least one."""
+    windows = min(args.eval_tokens, stream.total - 1) // args.seq_len
+    if windows <= 0 and args.eval_tokens < stream.total - 1:
+        raise UserError(f"--eval-tokens {args.eval_tokens} is less than one sequence of {args.seq_len} tokens")
+    if windows <= 0:
+        raise UserError(f"the val shards hold {stream.total} tokens: fewer than one sequence of "
+                        f"{args.seq_len} (+1) tokens; prepare more validation data or lower --seq-len")
+    return windows
+
+
 @torch.no_grad()
 def evaluate(model, stream, args, device, autocast, env=DistEnv(), probe=None):
     """Mean loss over the first --eval-tokens tokens of the val shards (windows in order;
     rank r of N takes windows r, r + N, ...; the sums are all-reduced). A `probe` (context
     manager) watches the forward pass of this rank's first batch."""
-    windows = min(args.eval_tokens, stream.total - 1) // args.seq_len
-    if windows <= 0:
-        raise UserError(f"the val shards hold {stream.total} tokens: fewer than one sequence of "
-                        f"{args.seq_len + 1} tokens")
+    windows = val_windows(stream, args)
     mine = list(range(env.rank, windows, env.world_size))
     model.eval()
     total, count = 0.0, 0
@@ -893,9 +901,7 @@ def train(args, env, cleanup):
     val_stream = TokenStream(find_shards(args.data_dir, "val"), args.vocab_size)
     batches = TrainBatches(train_stream, args.seq_len, args.batch_size, args.grad_accum, args.seed,
                            env.rank, env.world_size)
-    if (val_stream.total - 1) // args.seq_len == 0:  # found now, not at the first eval
-        raise UserError(f"the val shards hold {val_stream.total} tokens: fewer than one sequence of "
-                        f"{args.seq_len} (+1) tokens; prepare more validation data or lower --seq-len")
+    val_windows(val_stream, args)  # too short a val split is an error now, not at the first eval
     say = print if env.is_main else (lambda *a, **k: None)
     if env.is_main:
         try:
