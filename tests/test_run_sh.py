@@ -36,10 +36,16 @@ def report_rows(runs_dir):
             for line in text.splitlines() if line.startswith("| `")}
 
 
-def test_quick_runs_the_five_presets_and_writes_the_report(data_dir, tmp_path):
-    result = run_sh(tmp_path, "quick", "--data-dir", data_dir, "--vocab-size", "64", *TINY)
+@pytest.fixture(scope="module")
+def quick_one_at_a_time(data_dir, tmp_path_factory):
+    """run.sh quick --jobs 1 on TINY: (its RUNS_DIR, its result)."""
+    tmp = tmp_path_factory.mktemp("quick")
+    return tmp / "runs", run_sh(tmp, "quick", "--jobs", "1", "--data-dir", data_dir, "--vocab-size", "64", *TINY)
+
+
+def test_quick_runs_the_five_presets_and_writes_the_report(quick_one_at_a_time):
+    runs, result = quick_one_at_a_time
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    runs = tmp_path / "runs"
     for i, preset in enumerate(PRESETS, 1):
         assert f"== [{i}/5] {preset}: completed" in result.stdout  # progress
         summary = json.load(open(runs / preset / "summary.json"))
@@ -57,10 +63,11 @@ def test_quick_runs_the_five_presets_and_writes_the_report(data_dir, tmp_path):
     assert (runs / "report.png").stat().st_size > 20_000
 
 
-def test_assign_records_divergence_goes_on_and_keeps_finished_runs(data_dir, tmp_path):
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_assign_records_divergence_goes_on_and_keeps_finished_runs(jobs, data_dir, tmp_path):
     wild = ["--lr", "30", "--muon-lr", "2", "--warmup-steps", "0", "--max-steps", "30"]
     result = run_sh(tmp_path, "assign", "hetero", "attn=dgram,mlp=none", "--data-dir", data_dir,
-                    "--vocab-size", "64", *TINY, *wild)
+                    "--vocab-size", "64", *TINY, *wild, "--jobs", jobs)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "== [1/2] hetero: diverged" in result.stdout and "== [2/2] attn=dgram,mlp=none: diverged" in result.stdout
     runs = tmp_path / "runs"
@@ -85,6 +92,9 @@ def test_quick_without_data_dir_offline_trains_on_the_bundled_sample(tmp_path):
     (["quick", "--assign", "hetero"], "bash run.sh assign"),
     (["assign", "--max-steps", "3"], "no SPEC given"),
     (["nonsense"], "usage: bash run.sh"),
+    (["quick", "--jobs", "0"], "--jobs 0: --jobs N is how many runs at a time"),
+    (["assign", "hetero", "--jobs", "x"], "--jobs x: --jobs N is how many runs at a time"),
+    (["quick", "--jobs"], "N missing"),
 ])
 def test_mistakes_are_one_clean_line(args, message, tmp_path):
     result = run_sh(tmp_path, *args)
@@ -102,11 +112,14 @@ def test_assign_paper_runs_under_torchrun(data_dir, tmp_path):
     assert report_rows(tmp_path / "runs")["hetero"][2] == "4"
 
 
-def test_ctrl_c_stops_the_ablation_and_a_rerun_resumes(data_dir, tmp_path):
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_ctrl_c_stops_the_ablation_and_a_rerun_resumes(jobs, data_dir, tmp_path):
+    # --jobs 2: hetero and unconstrained run side by side and both stop; all-dgram never starts
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SKIP_SETUP": "1", "VENV": sys.prefix,
            "RUNS_DIR": str(tmp_path / "runs")}
-    args = ["assign", "hetero", "unconstrained", "--data-dir", data_dir, "--vocab-size", "64", *TINY,
-            "--max-steps", "60", "--ckpt-every", "5"]
+    specs = ["hetero", "unconstrained"] + (["all-dgram"] if jobs == "2" else [])
+    args = ["assign", *specs, "--data-dir", data_dir, "--vocab-size", "64", *TINY,
+            "--max-steps", "60", "--ckpt-every", "5", "--jobs", jobs]
     proc = subprocess.Popen(["bash", os.path.join(ROOT, "run.sh"), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     first = tmp_path / "runs" / "hetero" / "ckpt_00000010.pt"
@@ -117,10 +130,36 @@ def test_ctrl_c_stops_the_ablation_and_a_rerun_resumes(data_dir, tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 4, out[-2000:] + err[-2000:]
-    assert "hetero: interrupted" in out and not (tmp_path / "runs" / "unconstrained").exists()
+    assert "hetero: interrupted" in out and not (tmp_path / "runs" / specs[-1]).exists()
+    if jobs == "2":
+        assert "unconstrained: interrupted" in out
+        assert "stopped by SIGINT" in open(tmp_path / "runs" / "unconstrained" / "train.log").read()
     again = run_sh(tmp_path, *args)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "hetero -> " in again.stdout and "--resume auto" in again.stdout
-    for name in ("hetero", "unconstrained"):
+    for name in specs:
         summary = json.load(open(tmp_path / "runs" / name / "summary.json"))
         assert summary["status"] == "completed" and summary["steps"] == 60
+
+
+def test_quick_jobs_2_gives_the_same_results_as_one_at_a_time(quick_one_at_a_time, data_dir, tmp_path):
+    # each run is its own process with its own seed and data: with one thread each, bitwise the same
+    runs = tmp_path / "runs"
+    result = run_sh(tmp_path, "quick", "--jobs", "2", "--data-dir", data_dir, "--vocab-size", "64", *TINY)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one_runs, one_result = quick_one_at_a_time
+    # --jobs 1: the trainer's output on the terminal as before; --jobs 2: in each run's folder
+    assert "done: {" in one_result.stdout and "done: {" not in result.stdout
+    assert "up to 2 runs at a time, OMP_NUM_THREADS=1 each" in result.stdout
+    for i, preset in enumerate(PRESETS, 1):
+        assert f"== [{i}/5] {preset}: completed" in result.stdout
+        assert "done: {" in open(runs / preset / "train.log").read()
+        assert not (one_runs / preset / "train.log").exists()
+    one, two = report_rows(one_runs), report_rows(runs)
+    assert sorted(two) == sorted(PRESETS)  # in the order the runs started: side by side, either way
+    for preset in PRESETS:  # all but tokens/s and the optimizer's share of the time
+        assert one[preset][:4] + one[preset][6:] == two[preset][:4] + two[preset][6:]
+        losses = [[(r.get("train_loss"), r.get("val_loss")) for r in map(json.loads, open(folder / preset
+                                                                                        / "metrics.jsonl"))]
+                  for folder in (one_runs, runs)]
+        assert losses[0] == losses[1] and len(losses[0]) >= 6
