@@ -26,6 +26,13 @@ normalised first (msign ignores scale, the dual problem does not).
 Convergence is tested on a per-matrix mask every `check_every` iterations: one host sync
 per check, not per iteration, and finished matrices stop changing.
 
+`capturable` (SolverOptions; the name torch optimizers give a CUDA-graph-safe step, default on
+CUDA tensors): no host syncs at all. Every loop runs its fixed budget (the mask still freezes
+finished matrices, so the result is the one an early exit would give: the extra iterations
+change nothing), square Stiefel takes the dual's exact first evaluation without checking it,
+the span reduction's precision fallback picks per matrix on the device (`admm`), and the
+dgram-cap active set runs all its rounds. What it costs: the iterations an early exit saves.
+
 Every matrix sign and Gram-space product runs through `kernels` with `opts.backend` (fused
 Triton kernels on CUDA under "auto"); the squared column norms d2 are computed once per solve.
 """
@@ -60,6 +67,8 @@ class SolverOptions:
     clip: str = "auto"          # ADMM's polar factor and spectral clip: "eigh" (eigendecomposition of
                                 # the q x q Gram), "polynomial" (Polar Express through `kernels`), or
                                 # "auto": eigh on CPU tensors, polynomial on GPUs and under "triton"
+    capturable: object = "auto"  # True: no host syncs (fixed budgets, decisions on the device; see the
+                                 # module docstring); False: early exits; "auto": True on CUDA tensors
 
     @classmethod
     def from_kwargs(cls, **kwargs):
@@ -76,6 +85,7 @@ class Solution:
     state: torch.Tensor         # warm start: the multiplier's correction Lambda - Lambda0 (q x q)
     residual: torch.Tensor      # per-matrix relative tangent residual before the final projection
     iterations: int             # iterations run (the same for the whole batch)
+    fallbacks: object = 0       # matrices that took the sync-free precision fallback (a tensor, or 0)
 
 
 def choose_solver(shape, manifold_name):
@@ -92,6 +102,15 @@ def choose_solver(shape, manifold_name):
     if manifold_name == "stiefel" and rows == cols:
         return "dual"
     return "admm"
+
+
+def capturable(opts, W):
+    """Does this solve run without host syncs (SolverOptions.capturable)?"""
+    if opts.capturable == "auto":
+        return W.device.type == "cuda"
+    if not isinstance(opts.capturable, bool):
+        raise ValueError(f"capturable must be True, False or 'auto'; got {opts.capturable!r}")
+    return opts.capturable
 
 
 def rms(M):
@@ -177,14 +196,18 @@ def dual_ascent(W, G, geo, correction, opts):
     active = torch.ones(batch, dtype=torch.bool, device=W.device)
     step_size = torch.full(batch, opts.dual_lr, dtype=W.dtype, device=W.device)
     previous = torch.full(batch, float("inf"), dtype=W.dtype, device=W.device)
-    for k in range(opts.dual_steps + 1):
+    sync_free = capturable(opts, W)
+    steps = opts.dual_steps
+    if sync_free and W.size(-2) == W.size(-1) and geo.name == "stiefel":
+        steps = 0  # the first evaluation is the exact optimum W msign(skew(W^T G)): nothing to check
+    for k in range(steps + 1):
         X = kernels.matmul_add(W, Lambda, G, alpha=2.0, backend=opts.backend)  # G + 2 W Lambda
         A = kernels.msign(X, opts.msign_steps, opts.polish_steps, opts.backend)
         # dual gradient H = P(W^T A + A^T W) and ||H||_F^2, in one pass
         H, sumsq = geo.tangent_residual(W, A, opts.backend, with_norm=True)
         residual = relative_residual(W, sumsq)
         active = active & (residual > opts.tol)
-        if k == opts.dual_steps or (k % opts.check_every == 0 and not bool(active.any())):
+        if k == steps or (not sync_free and k % opts.check_every == 0 and not bool(active.any())):
             break
         # Halve a matrix's step whenever its residual grew: spread-out column norms (DGram)
         # make the Newton-like step overshoot, and this needs no host sync.
@@ -208,6 +231,8 @@ def admm(W, G, geo, correction, opts):
         correction = None  # another solver's state (checkpoints of earlier versions kept (Z, rho U))
     if opts.reduce and W.size(-2) >= 2 * W.size(-1):
         span = SpanReduction(W, G, geo, d2)
+        if capturable(opts, W):
+            return admm_span_sync_free(W, G, geo, correction, opts, d2, span)
         if bool(span.valid.all()):
             B, correction_new, residual, iterations = admm_iterations(span.W, span.G, geo, correction, opts,
                                                                       span.d2, span.project)
@@ -216,6 +241,24 @@ def admm(W, G, geo, correction, opts):
                 return Solution(finalize(W, B, geo, d2, opts), correction_new, residual, iterations)
     B, correction, residual, iterations = admm_iterations(W, G, geo, correction, opts)
     return Solution(finalize(W, B, geo, d2, opts), correction, residual, iterations)
+
+
+def admm_span_sync_free(W, G, geo, correction, opts, d2, span):
+    """ADMM in span coordinates with the precision fallback chosen per matrix on the device.
+
+    A matrix whose span coefficients are imprecise (span.lift; rare: G nearly inside span[W])
+    gets the Euclidean tangent projection of G instead of ADMM's answer: a descent direction
+    at the same step length, exact but not the spectral-norm steepest one (the synchronising
+    solve re-runs such a bank on the full matrices). `Solution.fallbacks` counts them, on the
+    device, for the optimizer's stats.
+    """
+    B, correction_new, residual, iterations = admm_iterations(span.W, span.G, geo, correction, opts,
+                                                              span.d2, span.project)
+    B, precise = span.lift(B)
+    fallback = geo.tangent_projection(W, G, d2, opts.backend)
+    B = masked_update(precise, fallback, B)
+    correction_new = masked_update(precise, torch.zeros_like(correction_new), correction_new)
+    return Solution(finalize(W, B, geo, d2, opts), correction_new, residual, iterations, (~precise).sum())
 
 
 def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
@@ -244,6 +287,7 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
         X = kernels.matmul_add(W, correction, GT, alpha=2.0, backend=opts.backend)
         Z, U = polar(X, opts), X / rho
     alpha = opts.admm_relax
+    sync_free = capturable(opts, W)
     active = torch.ones(W.shape[:-2], dtype=torch.bool, device=W.device)
     # A cold start (the first step, or a stateless steepest_direction) gets twice the budget.
     # Near-square matrices (rows < 2 cols) have a degenerate optimum (many singular values of
@@ -260,7 +304,7 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
         Z = masked_update(active, Z, Z_new)
         U = masked_update(active, U, U_new)
         active = active & (change > opts.tol)
-        if (k + 1) % opts.check_every == 0 and not bool(active.any()):
+        if not sync_free and (k + 1) % opts.check_every == 0 and not bool(active.any()):
             break
     B = project(Z - U + G / rho)
     _, sumsq = geo.tangent_residual(W, Z, opts.backend, with_norm=True)
@@ -296,15 +340,17 @@ def solve_capped(W, G, geo, state, opts, solve, solution, rounds=3):
     step is W - eta A, so (W^T A)_ii < 0) is pinned ((W^T A)_ii = 0) and the bank solved
     again; pinning can make other capped columns grow, hence a few rounds. The set only
     grows within a step and is rebuilt from scratch at the next one. One host sync per round,
-    and none when no column is at the cap.
+    and none when no column is at the cap. Capturable: every round runs (a round that pins
+    nothing new solves the same problem again), no syncs.
     """
     at_cap = geo.at_cap(W)
-    if not bool(at_cap.any()):
+    sync_free = capturable(opts, W)
+    if not sync_free and not bool(at_cap.any()):
         return solution
     pinned = torch.zeros_like(at_cap)
     for _ in range(rounds):
         growing = at_cap & ~pinned & (torch.diagonal(W.mT @ solution.A, dim1=-2, dim2=-1) < 0)
-        if not bool(growing.any()):
+        if not sync_free and not bool(growing.any()):
             break
         pinned = pinned | growing
         solution = solve(W, G, geo.pin(pinned), state, opts)

@@ -1,0 +1,108 @@
+"""ManifoldMuon(capturable=True): the GPU's sync-free control flow, run and counted on CPU."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
+from manifolds.dual import SolverOptions, solve_tall
+from manifolds.geometry import geometry
+from reference import optimum, quality, random_point
+
+# the aten ops a host read of a device value ends in (item, bool, float, tolist, if tensor:)
+SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "item")
+
+
+class HostSyncs(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in SYNC_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def hetero_bank(seed=0, d=32, layers=2):
+    """The Muon matrices of a small GPT-2 under HETERO (Stiefel attention, DGram MLP), with
+    dgram-cap value rows as the beyond setting uses, as ManifoldMuon groups."""
+    torch.manual_seed(seed)
+    shapes = {"stiefel": [(3 * d, d), (d, d)], "dgram": [(4 * d, d), (d, 4 * d)], "dgram-cap": [(d, d), (2 * d, d)]}
+    groups = []
+    for manifold, group_shapes in shapes.items():
+        params = [torch.nn.Parameter(project_to_manifold(torch.randn(s) * 0.05, manifold, 0.5))
+                  for s in group_shapes for _ in range(layers)]
+        groups.append({"params": params, "manifold": manifold, "dgram_cap": 0.5})
+    return groups
+
+
+def run_steps(capturable, steps=4, count_last=False):
+    groups = hetero_bank()
+    params = [p for g in groups for p in g["params"]]
+    opt = ManifoldMuon(groups, lr=0.05, capturable=capturable)
+    g = torch.Generator().manual_seed(1)
+    syncs = HostSyncs()
+    for step in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) + (p.grad if p.grad is not None else 0)
+        if count_last and step == steps - 1:
+            with syncs:
+                opt.step()
+        else:
+            opt.step()
+    return params, opt, syncs.count
+
+
+def test_a_capturable_warm_step_makes_no_host_sync_and_the_default_does():
+    _, _, syncing = run_steps(False, steps=2, count_last=True)
+    _, _, free = run_steps(True, steps=2, count_last=True)
+    assert syncing > 0  # the counter sees the early exits' and fallbacks' checks
+    assert free == 0
+
+
+def test_capturable_steps_equal_the_early_exit_ones():
+    # the mask freezes finished matrices, so running the whole budget changes nothing
+    fixed, opt, _ = run_steps(True)
+    early, _, _ = run_steps(False)
+    for a, b in zip(fixed, early):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            assert manifold_violation(p.detach(), group["manifold"], 0.5) <= 1e-4
+
+
+def test_capturable_cold_directions_match_and_square_stiefel_stays_exact():
+    for manifold, shape in [("stiefel", (24, 24)), ("stiefel", (64, 16)), ("dgram", (64, 16)),
+                            ("dgram", (24, 24))]:
+        W, G = random_point(shape, manifold, seed=3)
+        A_free = steepest_direction(W, G, manifold, capturable=True)
+        A_sync = steepest_direction(W, G, manifold, capturable=False)
+        torch.testing.assert_close(A_free, A_sync, rtol=0, atol=1e-5)
+    opt, _ = optimum(*random_point((24, 24), "stiefel", seed=3), "stiefel", iters=800)
+    W, G = random_point((24, 24), "stiefel", seed=3)
+    assert quality(W, G, steepest_direction(W, G, "stiefel", capturable=True), opt) >= 0.9999
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_sync_free_precision_fallback_is_a_feasible_descent_direction(manifold):
+    # G nearly inside a rank-2 subspace: span[W, G] is nearly singular and the span coefficients
+    # lose their precision; without a sync the solver takes Proj_T(G) for that matrix
+    W, _ = random_point((96, 32), manifold, 0)
+    g = torch.Generator().manual_seed(0)
+    G = torch.randn(96, 2, generator=g) @ torch.randn(2, 32, generator=g) + 1e-6 * torch.randn(96, 32, generator=g)
+    A = steepest_direction(W, G, manifold, capturable=True)
+    assert torch.isfinite(A).all()
+    assert int(solve_tall(W, G, manifold, None, SolverOptions(capturable=True)).fallbacks) == 1
+    assert int(solve_tall(W, G, manifold, None, SolverOptions(capturable=True, reduce=False)).fallbacks) == 0
+    geo = geometry(manifold)
+    residual = geo.tangent_residual(W.double(), A.double())
+    assert residual.abs().max() <= 1e-5
+    assert abs(torch.linalg.matrix_norm(A.double(), 2) - 1) <= 1e-3
+    assert (G * A).sum() > 0  # W - lr A descends along G
+    opt, _ = optimum(W, G, manifold, iters=1500)
+    assert quality(W, G, A, opt) >= 0.8  # 0.85 (Stiefel), 0.84 (DGram) here; the full solve: 0.9998, 0.998
+
+
+def test_capturable_rejects_a_non_boolean():
+    W, G = random_point((32, 16), "stiefel", seed=0)
+    with pytest.raises(ValueError, match="capturable must be"):
+        steepest_direction(W, G, "stiefel", capturable="yes")
