@@ -1,0 +1,367 @@
+"""What one ManifoldMuon step of a GPT-2 would cost on a GPU, counted on a CPU (issue 15).
+
+    python bench/cost_model.py                                  # GPT-2 small, hetero, world sizes 1 and 8
+    python bench/cost_model.py --fake                           # shapes only, if the step allows it
+    python bench/cost_model.py --n-layer 2 --n-embd 64 --out /tmp/cost.json
+
+It builds the trainer's Muon groups exactly (train_gpt2.build_optimizers, --kernels torch, fp32
+on CPU), gives every matrix a momentum-like gradient (bench/optimizer.py), runs one untimed
+step (momenta and warm starts created), then counts ONE warm step op by op (bench/op_count.py):
+kernel launches (torch ops; each call of the three kernel products is one Triton launch),
+host syncs, dense-product FLOPs by the precision they would run at on a GPU, and the
+linear-algebra ops. For world size N > 1 the same step is counted N times, once "as rank r"
+(opt.world_size / opt.rank set on an optimizer built without torch.distributed, collectives
+replaced by no-ops that record their bytes), each from the same state: what each rank of an
+N-GPU run computes and sends.
+
+From those counts and the constants in H200 (printed with the result) it gives an ESTIMATE of
+the step's time on one H200 against forward+backward of the same tokens. Estimates only:
+until a GPU measures them (bench/step_time.py, bench/gpu_check.sh).
+
+--fake runs everything under FakeTensorMode (no arithmetic; minutes become seconds). The counts
+are the same as a real run's as long as the step makes no data-dependent host decision; today's
+step does make them (convergence tests, fallbacks), and then it reports so and counts a real
+run instead (unless --fake-only).
+"""
+import argparse
+import contextlib
+import copy
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                           FakeTensorMode)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.op_count import OpCounter, simulated_collectives, triton_attribution  # noqa: E402
+from bench.optimizer import momentum_like  # noqa: E402
+from bench.results import Results  # noqa: E402
+
+# Stated constants of one H200 for the estimate. Measured: dense bf16 at 790 TFLOP/s on a large
+# product; the rest are assumptions, not measurements.
+H200 = {
+    "bf16_flops": 395e12,            # half the 790 TFLOP/s of a large product: these shapes are small
+    "tf32_flops": 395e12 / 2,        # TF32 tensor cores: half of bf16's rate
+    "tf32x3_flops": 395e12 / 6,      # 3xTF32: three TF32 products per product
+    "ieee_fp32_flops": 50e12,        # fp32 on CUDA cores (cuBLAS without TF32)
+    "fp64_flops": 25e12,             # (not expected in the step)
+    "launch_s": 5e-6,                # per kernel launch, Triton or torch, not overlapped with compute
+    "sync_s": 20e-6,                 # per host sync (the queue drains, the host waits, relaunches)
+    "literal_s": 20e-6,              # per tensor literal: a blocking H2D copy waits for the stream
+    "linalg_flops": 50e12,           # eigh / cholesky / triangular solve: a rough guess, see below
+    "fwd_bwd_flops": 395e12,         # forward + backward at half of bf16 peak
+    "all_gather_bytes_per_s": 350e9,  # NVLink ring all-gather bus bandwidth (assumed)
+}
+LINALG_NOTE = ("linalg ops (eigh ~9 q^3, cholesky q^3/3, triangular solve q^2 k FLOPs) at 50 TFLOP/s plus "
+               "a launch each: a rough guess and likely optimistic (cuSOLVER's batched factorizations are "
+               "sequential panel algorithms, often milliseconds at q = 768)")
+RATE_OF = {"triton:bf16": "bf16_flops", "bf16": "bf16_flops", "triton:tf32": "tf32_flops", "tf32": "tf32_flops",
+           "triton:tf32x3": "tf32x3_flops", "ieee-fp32": "ieee_fp32_flops", "float64": "fp64_flops"}
+FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n-layer", type=int, default=12)
+    ap.add_argument("--n-embd", type=int, default=768)
+    ap.add_argument("--assign", default="hetero", help="train_gpt2.py's --assign (not auto)")
+    ap.add_argument("--world-size", type=int, nargs="+", default=[1, 8], help="world sizes to count")
+    ap.add_argument("--clip", default="polynomial", choices=("auto", "eigh", "polynomial"),
+                    help="ADMM's clip; polynomial is what a GPU runs (auto = eigh on this CPU)")
+    ap.add_argument("--capturable", action="store_true",
+                    help="pass capturable=True to ManifoldMuon (if its SolverOptions has that field)")
+    ap.add_argument("--fixed-iterations", action="store_true",
+                    help="tol 0: every solver runs to its iteration cap (no early exit), the worst case; "
+                         "the work of a bank is then the same for any split over ranks")
+    ap.add_argument("--fake", action="store_true", help="count under FakeTensorMode (falls back to a real run "
+                                                        "when the step reads device values on the host)")
+    ap.add_argument("--fake-only", action="store_true", help="with --fake: no real fallback")
+    ap.add_argument("--seq-len", type=int, default=1024, help="for the forward+backward comparison")
+    ap.add_argument("--tokens", type=int, default=64 * 1024,
+                    help="tokens per optimizer step over all ranks (the trainer's 64 x 1024)")
+    ap.add_argument("--top", type=int, default=20, help="ops listed by count")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (1 is fastest for small shapes on a busy machine)")
+    ap.add_argument("--out", default=None, help="JSON results")
+    args = ap.parse_args(argv)
+    if args.fake_only:
+        args.fake = True
+    if args.assign.strip() == "auto":
+        ap.error("--assign auto switches manifolds during training; give its base assignment instead")
+    if any(n < 1 for n in args.world_size):
+        ap.error("--world-size takes positive integers")
+    return args
+
+
+def capturable_supported():
+    from manifolds.dual import SolverOptions
+    return "capturable" in {f.name for f in dataclasses.fields(SolverOptions)}
+
+
+def git_commit():
+    """(commit, whether manifolds/ or kernels/ differ from it): the code that was counted."""
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = bool(git("status", "--porcelain", "--", "manifolds", "kernels", "bench/op_count.py"))
+    return commit, dirty
+
+
+# --- the trainer's optimizer ------------------------------------------------------------------
+
+def trainer_args(args):
+    """train_gpt2's args for this shape: the same groups and solver options as a training run."""
+    import train_gpt2
+    n_head = max(1, args.n_embd // 64) if args.n_embd % 64 == 0 else 1  # Muon shapes do not depend on it
+    targs = train_gpt2.parse_args(["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
+                                   "--n-head", str(n_head), "--seq-len", str(args.seq_len),
+                                   "--assign", args.assign, "--clip", args.clip, "--kernels", "torch",
+                                   "--device", "cpu", "--dtype", "float32"])
+    train_gpt2.validate_args(targs, world_size=1)
+    return targs
+
+
+def build(args, fake):
+    """(model, ManifoldMuon, [params], grads(step) -> [grad per param]) as the trainer builds them."""
+    import train_gpt2
+    targs = trainer_args(args)
+    torch.manual_seed(args.seed)
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=targs.n_layer, n_head=targs.n_head, n_embd=targs.n_embd,
+                                                seq_len=targs.seq_len, vocab_size=targs.vocab_size))
+    muon_class = train_gpt2.ManifoldMuon
+    if args.capturable:  # as if the trainer passed it
+        train_gpt2.ManifoldMuon = functools.partial(muon_class, capturable=True)
+    try:
+        muon, _ = train_gpt2.build_optimizers(model, targs, torch.device("cpu"))
+    finally:
+        train_gpt2.ManifoldMuon = muon_class
+    if args.fixed_iterations:
+        for group in muon.param_groups:  # solver options are group options
+            group["tol"] = 0.0
+    params = [p for group in muon.param_groups for p in group["params"]]
+    gen = torch.Generator().manual_seed(args.seed)
+    # momentum-like gradients (power-law spectrum), drifting slowly from step to step; under
+    # fake tensors only their shapes matter
+    make = (lambda shape: torch.randn(shape)) if fake else (lambda shape: momentum_like(shape, gen))  # noqa: E731
+    base = [make(tuple(p.shape)) for p in params]
+
+    def grads(step):
+        return [0.9 * b + 0.1 * make(tuple(b.shape)) for b in base]
+    return model, muon, params, grads
+
+
+def snapshot(opt, params):
+    return ([p.detach().clone() for p in params],
+            {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()}
+             for p, s in opt.state.items()})
+
+
+def restore(opt, params, snap):
+    weights, state = snap
+    with torch.no_grad():
+        for p, w in zip(params, weights):
+            p.copy_(w)
+    opt.state = defaultdict(dict, {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                                       for k, v in s.items()} for p, s in state.items()})
+
+
+def ownership(opt, world_size):
+    """[[(param index, lo, hi), ...] per rank]: the pieces each rank computes; checks that every
+    piece has exactly one owner (a stale split would count work twice or not at all)."""
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    saved = opt.world_size, opt.rank
+    owned = []
+    try:
+        for rank in range(world_size):
+            opt.world_size, opt.rank = world_size, rank
+            owned.append([(index[id(pc.param)], pc.lo, pc.hi) for pc in opt.owned_pieces()])
+    finally:
+        opt.world_size, opt.rank = saved
+    every = sorted((index[id(pc.param)], pc.lo, pc.hi) for pc in opt.pieces())
+    if sorted(x for rank in owned for x in rank) != every:
+        raise RuntimeError(f"the split over {world_size} ranks does not own every piece exactly once")
+    return owned
+
+
+def count_step(opt, world_size, rank):
+    """OpCounter of one opt.step() as `rank` of `world_size`."""
+    counter = OpCounter()
+    saved = opt.world_size, opt.rank
+    opt.world_size, opt.rank = world_size, rank
+    try:
+        with contextlib.ExitStack() as stack:
+            if world_size > 1:
+                stack.enter_context(simulated_collectives(counter))
+            stack.enter_context(counter)
+            stack.enter_context(triton_attribution(counter))
+            opt.step()
+    finally:
+        opt.world_size, opt.rank = saved
+    return counter
+
+
+def count_all(args, fake):
+    """{world size: [summary per rank]}, plus the model's matmul parameter count and the
+    per-rank ownership. Raises FAKE_ERRORS when `fake` and the step reads device values."""
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode:
+        model, opt, params, grads = build(args, fake)
+        for p, g in zip(params, grads(0)):
+            p.grad = g
+        opt.step()  # warm-up: momenta and warm starts
+        for p, g in zip(params, grads(1)):
+            p.grad = g
+        snap = snapshot(opt, params)
+        counts, owners = {}, {}
+        for world_size in args.world_size:
+            owners[world_size] = ownership(opt, world_size)
+            ranks = []
+            for rank in range(world_size):
+                restore(opt, params, snap)
+                t0 = time.perf_counter()
+                counter = count_step(opt, world_size, rank)
+                ranks.append({**counter.summary(args.top), "seconds_on_this_machine": time.perf_counter() - t0,
+                              "world_size": world_size, "pieces": len(owners[world_size][rank])})
+            counts[world_size] = ranks
+        restore(opt, params, snap)
+        # matmul parameters of forward+backward: all but the position embedding (a lookup; the
+        # token embedding is tied to the head, a product)
+        matmul_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    return counts, owners, matmul_params
+
+
+# --- the estimate -------------------------------------------------------------------------------
+
+def estimate(summary):
+    """Seconds of one rank's step on one H200 from its counts (additive: products at their
+    precision's rate, then launch, sync and linalg costs; memory traffic not modelled)."""
+    products = sum(flops / H200[RATE_OF.get(label, "ieee_fp32_flops")]
+                   for label, flops in summary["flops_executed_by_precision"].items())
+    parts = {"products": products,
+             "launches": summary["launches"] * H200["launch_s"],
+             "syncs": summary["host_syncs"] * H200["sync_s"],
+             "literals": summary["host_literals"] * H200["literal_s"],
+             "linalg": sum(summary["linalg_flops"].values()) / H200["linalg_flops"]}
+    # ring all-gather: each rank passes on N - 1 buffers of its input's size. The flat exchange
+    # starts after this rank's solves, so it adds to the step (only the own writes overlap it)
+    parts["all_gather"] = ((summary["world_size"] - 1) * summary["collective_bytes_sent"]
+                           / H200["all_gather_bytes_per_s"])
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def fwd_bwd(args, matmul_params, world_size):
+    tokens = args.tokens // world_size
+    flops = 6 * matmul_params * tokens + 12 * args.n_layer * args.n_embd * args.seq_len * tokens
+    return {"tokens_per_rank": tokens, "flops": flops, "seconds": flops / H200["fwd_bwd_flops"]}
+
+
+# --- output -------------------------------------------------------------------------------------
+
+def gf(x):
+    return f"{x / 1e9:.1f}"
+
+
+def print_world(world_size, ranks, owners, fb):
+    labels = sorted({label for r in ranks for label in r["flops_by_precision"]})
+    print(f"\nworld size {world_size}" + (" (per rank; the step waits for the slowest)" if world_size > 1 else "") + ":")
+    head = (f"  {'rank':>4} {'pieces':>6} " + " ".join(f"{'GFLOP ' + label:>19}" for label in labels)
+            + f" {'triton':>7} {'torch':>6} {'launch':>7} {'syncs':>5} {'lit':>4} {'linalg':>6}"
+            f" {'gather MB':>9} {'EST ms':>8}")
+    print(head)
+    for rank, r in enumerate(ranks):
+        est = estimate(r)
+        print(f"  {rank:>4} {r['pieces']:>6} " + " ".join(f"{gf(r['flops_by_precision'].get(label, 0)):>19}"
+                                                        for label in labels)
+              + f" {sum(r['triton_launches'].values()):>7} {r['kernels']:>6} {r['launches']:>7}"
+              f" {r['host_syncs']:>5} {r['host_literals']:>4} {sum(r['linalg'].values()):>6}"
+              f" {r['collective_bytes_sent'] / 1e6:>9.2f} {1e3 * est['total']:>8.2f}")
+    if world_size > 1:
+        total = {label: sum(r["flops_by_precision"].get(label, 0) for r in ranks) for label in labels}
+        print("  sum  " + " " * 6 + " ".join(f"{gf(total[label]):>19}" for label in labels))
+    slowest = max(ranks, key=lambda r: estimate(r)["total"])
+    est = estimate(slowest)
+    print(f"  ESTIMATE, one H200{' (slowest rank)' if world_size > 1 else ''}: optimizer step "
+          f"{1e3 * est['total']:.2f} ms (products {1e3 * est['products']:.2f}, launches {1e3 * est['launches']:.2f}, "
+          f"syncs {1e3 * est['syncs']:.2f}, literals {1e3 * est['literals']:.2f}, linalg {1e3 * est['linalg']:.2f}, "
+          f"all-gather {1e3 * est['all_gather']:.2f}); "
+          f"fwd+bwd of {fb['tokens_per_rank']} tokens {1e3 * fb['seconds']:.1f} ms; "
+          f"ratio {est['total'] / fb['seconds']:.3f}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    commit, dirty = git_commit()
+    out = Results(args.out, config={k: v for k, v in vars(args).items()}, constants=H200,
+                  linalg_assumption=LINALG_NOTE, commit=commit, uncommitted_changes=dirty)
+    if args.capturable and not capturable_supported():
+        msg = "--capturable is not supported: manifolds.dual.SolverOptions has no 'capturable' field"
+        out.put("error", value=msg)
+        print(msg, file=sys.stderr)
+        return 2
+    if not args.capturable and capturable_supported():
+        print("note: SolverOptions.capturable defaults to 'auto', True on CUDA tensors: a GPU run takes the "
+              "sync-free path that --capturable counts; this count is the syncing path (auto on a CPU)")
+    print(f"ManifoldMuon step, {args.assign}, {args.n_layer} layers x n_embd {args.n_embd}, clip {args.clip}"
+          f"{', capturable' if args.capturable else ''}{', fixed iterations' if args.fixed_iterations else ''}; "
+          f"code at {commit}{' + uncommitted changes' if dirty else ''}", flush=True)
+    mode = "real"
+    t0 = time.perf_counter()
+    if args.fake:
+        try:
+            counts, owners, matmul_params = count_all(args, fake=True)
+            mode = "fake"
+        except FAKE_ERRORS:
+            note = "needs a real run: the step reads device values on the host"
+            if args.fake_only:
+                out.put("fake", value=f"{note} (at least 1 sync)")
+                print(f"--fake-only: {note} (at least 1 sync); nothing counted", file=sys.stderr)
+                return 3
+            print(f"--fake: {note}; counting a real run", flush=True)
+            counts, owners, matmul_params = count_all(args, fake=False)
+            syncs = counts[args.world_size[0]][0]["host_syncs"]
+            out.put("fake", value=f"{note} ({syncs} syncs)")
+            print(f"  ({syncs} syncs in the counted step)")
+    else:
+        counts, owners, matmul_params = count_all(args, fake=False)
+    out.put("mode", value=mode)
+    out.put("seconds", value=time.perf_counter() - t0)
+    out.put("matmul_params", value=matmul_params)
+    print(f"counted under {'FakeTensorMode' if mode == 'fake' else 'real CPU arithmetic'} in "
+          f"{time.perf_counter() - t0:.1f} s")
+    print("constants (one H200, for the ESTIMATE): bf16 395 TFLOP/s (half of 790 measured on a large product), "
+          "TF32 198, 3xTF32 66, IEEE fp32 50; 5 us per launch, 20 us per host sync or tensor literal; "
+          "ring all-gather at 350 GB/s; products, launches, syncs and the exchange added (no overlap); "
+          f"{LINALG_NOTE}; fwd+bwd 6 N T + 12 L d s T FLOPs at 395 TFLOP/s (N = {matmul_params:,})")
+    for world_size, ranks in counts.items():
+        fb = fwd_bwd(args, matmul_params, world_size)
+        print_world(world_size, ranks, owners[world_size], fb)
+        slowest = max(range(world_size), key=lambda r: estimate(ranks[r])["total"])
+        out.put("world_size", str(world_size), value={
+            "ranks": ranks, "owned_pieces": owners[world_size],
+            "estimate_per_rank": [estimate(r) for r in ranks],
+            "estimate_slowest_rank": slowest, "fwd_bwd": fb,
+            "ratio_estimate": estimate(ranks[slowest])["total"] / fb["seconds"],
+            "flops_total_all_ranks": sum(r["flops_total"] for r in ranks)})
+    first = counts[args.world_size[0]][0]
+    print(f"\ntop {args.top} kernels (world size {args.world_size[0]}, rank 0; views and allocations excluded): "
+          + ", ".join(f"{name} {n}" for name, n in first["kernels_top"].items()))
+    print(f"Triton launches: {first['triton_launches']} (+{first['triton_extra_kernels']} torch sums of "
+          f"||.||^2 slots); products: {first['products']}")
+    print(f"linalg: {first['linalg'] or 'none'}; host syncs by op: {first['host_syncs_by_op'] or 'none'}; "
+          f"linalg ops that check info on the host (a sync on CUDA): {first['linalg_syncing_on_cuda']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

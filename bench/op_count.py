@@ -1,0 +1,419 @@
+"""Count what a piece of torch code would launch on a GPU, by watching its aten ops on any device.
+
+    counter = OpCounter()
+    with counter, triton_attribution(counter):
+        opt.step()
+    counter.summary()
+
+OpCounter is a TorchDispatchMode: it sees every aten op after autograd and the
+CompositeImplicit decompositions (torch.matmul arrives as mm / bmm, reshape as view or clone),
+and not the ops a kernel runs inside itself. It counts
+  * kernels: every op but pure views / metadata and allocations (VIEW_OPS), which launch nothing;
+  * host syncs: aten::_local_scalar_dense (item(), bool(), float(), `if tensor:`) and
+    aten::is_nonzero;
+  * tensor literals from host data (aten::lift_fresh of a tensor with dimensions, e.g.
+    W.new_tensor([...])): on CUDA a blocking host-to-device copy, which in torch waits for the
+    stream (memcpy_and_sync); a 0-dim one (`t[i] = 2.0`) is a fill kernel there, counted as such;
+  * FLOPs of the dense products (mm, addmm, bmm, baddbmm, ...: 2 m n k each), labelled by the
+    precision they would run at on a GPU (`product_precision`);
+  * linear-algebra ops (eigh, cholesky, solve_triangular, ...) apart, with rough FLOP counts:
+    they are not dense products, and on a GPU they are slow sequential kernels.
+
+triton_attribution patches the three functions of kernels.products_torch (the torch twins of
+the fused Triton kernels): one call is one Triton launch on the GPU, so the ops dispatched
+inside it are not kernels of their own (they are fused into it) and its products land in a
+"triton:<precision>" bucket. simulated_collectives replaces torch.distributed's collectives
+by local no-ops that record the bytes each call sends, so an optimizer can be stepped "as rank
+r of N" without launching processes.
+
+Works under FakeTensorMode as well (enter the counter inside it): the counts are the same as
+long as the code makes no data-dependent host decision; a host sync then raises
+DataDependentOutputException, after the counter has recorded it.
+"""
+import contextlib
+import functools
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Views, metadata and allocations: no kernel runs (empty* allocate from the caching allocator).
+VIEW_OPS = frozenset((
+    "view", "_unsafe_view", "_reshape_alias", "reshape", "t", "transpose", "permute", "expand",
+    "expand_as", "slice", "select", "unsqueeze", "squeeze", "alias", "detach", "as_strided",
+    "diagonal", "split", "split_with_sizes", "unbind", "chunk", "narrow", "unfold", "view_as",
+    "view_as_real", "view_as_complex", "movedim", "numpy_T", "adjoint",
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "device", "size",
+    "stride", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim",
+))
+SYNC_OPS = frozenset(("_local_scalar_dense", "is_nonzero"))
+LITERAL_OPS = frozenset(("lift_fresh", "lift_fresh_copy"))  # torch.tensor(data) / new_tensor(data): data from the host
+
+
+def _shape(t):
+    return tuple(t.shape)
+
+
+def _batch(shape):
+    n = 1
+    for s in shape[:-2]:
+        n *= s
+    return n
+
+
+def _mm(a, b, *_, **__):
+    (m, k), n = _shape(a), _shape(b)[-1]
+    return 2 * m * k * n
+
+
+def _addmm(c, a, b, *_, **__):
+    return _mm(a, b)
+
+
+def _bmm(a, b, *_, **__):
+    sa, sb = _shape(a), _shape(b)
+    return 2 * sa[0] * sa[1] * sa[2] * sb[2]
+
+
+def _baddbmm(c, a, b, *_, **__):
+    return _bmm(a, b)
+
+
+def _mv(a, v, *_, **__):
+    m, n = _shape(a)
+    return 2 * m * n
+
+
+def _addmv(c, a, v, *_, **__):
+    return _mv(a, v)
+
+
+def _dot(a, b, *_, **__):
+    return 2 * a.numel()
+
+
+# Dense products: exact 2 m n k (multiply-adds counted as two; the epilogue's adds not counted).
+PRODUCT_FLOPS = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "baddbmm": _baddbmm, "addbmm": _baddbmm,
+                 "mv": _mv, "addmv": _addmv, "dot": _dot, "vdot": _dot}
+
+
+def _square(A):
+    return _batch(_shape(A)), _shape(A)[-1]
+
+
+def _eigh(A, *args, **kwargs):
+    b, n = _square(A)
+    compute_v = kwargs.get("compute_v", args[1] if len(args) > 1 else True)
+    return b * (9 if compute_v else 4 / 3) * n ** 3  # Golub & Van Loan: tridiagonalisation + QR
+
+
+def _cholesky(A, *_, **__):
+    b, n = _square(A)
+    return b * n ** 3 / 3
+
+
+def _solve_triangular(A, B, *_, **__):
+    b, n = _square(A)
+    return b * n * n * _shape(B)[-1]
+
+
+def _lu(A, *_, **__):
+    b, n = _square(A)
+    return b * 2 * n ** 3 / 3
+
+
+def _inv(A, *_, **__):
+    b, n = _square(A)
+    return b * 2 * n ** 3
+
+
+def _qr(A, *_, **__):
+    m, n = _shape(A)[-2:]
+    k = min(m, n)
+    return _batch(_shape(A)) * 2 * (2 * m * n * k - (m + n) * k * k + 2 * k ** 3 / 3)  # factor + Q
+
+
+def _svd(A, *_, **__):
+    m, n = _shape(A)[-2:]
+    m, n = max(m, n), min(m, n)
+    return _batch(_shape(A)) * (4 * m * n * n + 8 * n ** 3)  # reduced SVD, Golub & Van Loan (rough)
+
+
+# Rough FLOPs of the linear-algebra ops (None: counted, no FLOP formula).
+LINALG_FLOPS = {"_linalg_eigh": _eigh, "linalg_eigh": _eigh, "linalg_cholesky_ex": _cholesky,
+                "cholesky": _cholesky, "linalg_solve_triangular": _solve_triangular,
+                "triangular_solve": lambda B, A, *a, **k: _solve_triangular(A, B),
+                "linalg_lu_factor_ex": _lu, "linalg_lu": _lu, "linalg_inv_ex": _inv, "linalg_qr": _qr,
+                "geqrf": _qr, "_linalg_svd": _svd, "linalg_svd": _svd}
+# linalg ops whose torch implementation checks LAPACK's `info` on the host: a sync on CUDA
+# (the _ex variants and solve_triangular do not check).
+CHECKS_INFO = frozenset(("_linalg_eigh", "linalg_eigh", "cholesky", "linalg_inv", "_linalg_svd", "linalg_svd"))
+
+
+def is_linalg(name):
+    if name in ("linalg_vector_norm", "linalg_matrix_norm"):
+        return False  # reductions, not factorizations
+    return name in LINALG_FLOPS or name.startswith(("linalg_", "_linalg_")) or name in (
+        "cholesky_solve", "cholesky_inverse", "orgqr", "ormqr", "lu_unpack", "_linalg_check_errors")
+
+
+def tf32_allowed():
+    """Would torch's own CUDA fp32 matmuls use TF32 (allow_tf32 / fp32_precision "tf32")?"""
+    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if setting is not None and setting != "none":
+        return setting == "tf32"
+    return torch.backends.cuda.matmul.allow_tf32
+
+
+def triton_fp32_precision():
+    """tl.dot's precision for fp32 operands, as kernels/products_triton.py would choose it."""
+    try:
+        from kernels.products_triton import fp32_precision
+    except ImportError:  # no Triton here: its rule (3xTF32 unless torch allows TF32)
+        return "tf32" if tf32_allowed() else "tf32x3"
+    return fp32_precision()
+
+
+def product_precision(dtype, triton):
+    """Precision label of a product on a GPU: "triton:tf32x3" / "triton:tf32" / "triton:bf16"
+    for a fused kernel, "ieee-fp32" / "tf32" / "bf16" for a torch (cuBLAS) matmul."""
+    low = dtype in (torch.bfloat16, torch.float16)
+    if triton:
+        return "triton:" + ("bf16" if low else triton_fp32_precision())
+    if low:
+        return "bf16"
+    if dtype == torch.float32:
+        return "tf32" if tf32_allowed() else "ieee-fp32"
+    return str(dtype).replace("torch.", "")  # float64: CUDA cores at a fraction of fp32
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops (see the module docstring); `summary()` gives the totals."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels = Counter()         # op name -> calls (outside the Triton products)
+        self.fused = Counter()           # op name -> calls inside a Triton product (no kernel of their own)
+        self.syncs = Counter()
+        self.literals = Counter()
+        self.flops = Counter()           # precision label -> FLOPs of dense products
+        self.products = Counter()        # (op name, precision label) -> calls
+        self.linalg = Counter()          # op name -> calls
+        self.linalg_flops = Counter()
+        self.triton = Counter()          # products_torch function -> calls (= Triton launches)
+        self.triton_flops = Counter()    # function -> FLOPs as the torch twin computes them (dense)
+        self.triton_executed = Counter()  # function -> FLOPs the Triton kernel computes (upper tiles)
+        self.executed = Counter()        # precision label -> FLOPs as the GPU would compute them
+        self.triton_extra_kernels = 0    # torch ops the Triton wrappers launch besides the kernel
+        self.collectives = []            # (name, bytes sent by this rank)
+        self._triton_depth = 0
+        self._triton_dtype = None
+        self._paused = 0
+
+    # -- hooks used by triton_attribution and simulated_collectives --------------------------
+    @contextlib.contextmanager
+    def paused(self):
+        """Ops inside are not counted (bookkeeping of the simulation itself)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self._paused:
+            self._count(func.overloadpacket.__name__, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _count(self, name, args, kwargs):
+        if name in SYNC_OPS:
+            self.syncs[name] += 1  # counted before it runs: under fake tensors it raises
+            return
+        if name in VIEW_OPS:
+            return
+        if name in LITERAL_OPS:
+            if args[0].dim() > 0:
+                self.literals[name] += 1
+                return
+            name = "scalar_tensor"  # `t[i] = 2.0`: on CUDA a 0-dim device tensor, made by a fill kernel
+        triton = self._triton_depth > 0
+        (self.fused if triton else self.kernels)[name] += 1
+        if name in PRODUCT_FLOPS:
+            label = product_precision(args[0].dtype if not triton else self._triton_dtype, triton)
+            flops = PRODUCT_FLOPS[name](*args, **kwargs)
+            self.flops[label] += flops
+            if not triton:  # a Triton launch adds its executed FLOPs when it returns
+                self.executed[label] += flops
+            self.products[(name, label)] += 1
+        elif is_linalg(name):
+            self.linalg[name] += 1
+            formula = LINALG_FLOPS.get(name)
+            if formula is not None:
+                self.linalg_flops[name] += formula(*args, **kwargs)
+
+    # -- results ---------------------------------------------------------------------------
+    @property
+    def kernel_count(self):
+        return sum(self.kernels.values())
+
+    @property
+    def sync_count(self):
+        return sum(self.syncs.values())
+
+    @property
+    def launches(self):
+        """Kernel launches on a GPU: torch kernels + Triton launches (+ the wrappers' extras)."""
+        return self.kernel_count + sum(self.triton.values()) + self.triton_extra_kernels
+
+    def summary(self, top=20):
+        return {
+            "kernels": self.kernel_count,
+            "kernels_top": dict(self.kernels.most_common(top)),
+            "triton_launches": dict(self.triton),
+            "triton_extra_kernels": self.triton_extra_kernels,
+            "launches": self.launches,
+            "ops_fused_into_triton": sum(self.fused.values()),
+            "host_syncs": self.sync_count,
+            "host_syncs_by_op": dict(self.syncs),
+            "host_literals": sum(self.literals.values()),
+            "flops_by_precision": dict(self.flops),
+            "flops_total": sum(self.flops.values()),
+            "flops_executed_by_precision": dict(self.executed),
+            "products": {f"{name} [{label}]": n for (name, label), n in sorted(self.products.items())},
+            "triton_flops": dict(self.triton_flops),
+            "triton_flops_executed": dict(self.triton_executed),
+            "linalg": dict(self.linalg),
+            "linalg_flops": dict(self.linalg_flops),
+            "linalg_syncing_on_cuda": sum(n for name, n in self.linalg.items() if name in CHECKS_INFO),
+            "collectives": len(self.collectives),
+            "collective_bytes_sent": sum(b for _, b in self.collectives),
+        }
+
+
+# --- Triton attribution ---------------------------------------------------------------------
+
+TRITON_FUNCTIONS = ("matmul_add", "sym_product", "symmetric_gram")
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SMALL, SMALL_PROBLEM, TILE = 32, 256, 64  # products_triton's small tile and threshold; a typical tuned tile
+
+
+def upper_fraction(n):
+    """Share of an n x n output a symmetric Triton kernel computes: its upper-triangle tiles
+    (32-wide below 256, assumed 64-wide above; the autotuner may pick 128)."""
+    block = SMALL if n < SMALL_PROBLEM else TILE
+    tiles = -(-n // block)
+    return tiles * (tiles + 1) / 2 / tiles ** 2
+
+
+@contextlib.contextmanager
+def triton_attribution(counter, module=None):
+    """While inside, each call of products_torch.{matmul_add, sym_product, symmetric_gram} on
+    a dtype the Triton kernels take counts as one Triton launch on `counter`, and the ops it
+    dispatches are attributed to that launch (not counted as kernels of their own)."""
+    if module is None:
+        from kernels import products_torch as module
+    originals = {name: getattr(module, name) for name in TRITON_FUNCTIONS}
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            first = args[0]
+            if counter._triton_depth or first.dtype not in TRITON_DTYPES or counter._paused:
+                return fn(*args, **kwargs)  # on the GPU this would be torch ops, counted as such
+            before = sum(counter.flops.values())
+            counter._triton_depth += 1
+            counter._triton_dtype = first.dtype
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                counter._triton_depth -= 1
+            dense = sum(counter.flops.values()) - before
+            counter.triton[name] += 1
+            counter.triton_flops[name] += dense
+            executed = dense
+            if name != "matmul_add":  # symmetric output (q x q for symmetric_gram, m x m for sym_product)
+                executed *= upper_fraction(out[0].size(-1) if name == "symmetric_gram" else out.size(-1))
+            counter.triton_executed[name] += executed
+            counter.executed[product_precision(first.dtype, True)] += executed
+            if name == "symmetric_gram" and kwargs.get("want_sumsq", args[6] if len(args) > 6 else False):
+                counter.triton_extra_kernels += 1  # the per-tile ||.||^2 slots are summed by torch
+            return out
+        return counted
+
+    for name, fn in originals.items():
+        setattr(module, name, wrap(name, fn))
+    try:
+        yield counter
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)
+
+
+# --- Simulated collectives ------------------------------------------------------------------
+
+class _Done:
+    def wait(self, *_, **__):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def simulated_collectives(counter):
+    """torch.distributed's all_gather / all_gather_into_tensor / all_gather_single / all_reduce /
+    broadcast / reduce_scatter(_tensor) as local no-ops (output buffers zeroed) that record on `counter`
+    the bytes this rank puts in: its input tensor(s)."""
+    patched = {}
+
+    def record(name, nbytes):
+        counter.collectives.append((name, nbytes))
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        record("all_gather", _nbytes(tensor))
+        with counter.paused():
+            for t in tensor_list:
+                t.zero_()
+        return _Done() if async_op else None
+
+    def into_tensor(name):
+        def all_gather_into_tensor(output, input, group=None, async_op=False):
+            record(name, _nbytes(input))
+            with counter.paused():
+                output.zero_()
+            return _Done() if async_op else None
+        return all_gather_into_tensor
+
+    def in_place(name):
+        def collective(tensor, *args, async_op=False, **kwargs):
+            record(name, _nbytes(tensor))
+            return _Done() if async_op else None
+        return collective
+
+    def reduce_scatter(output, input_list, *args, async_op=False, **kwargs):
+        record("reduce_scatter", sum(_nbytes(t) for t in input_list))
+        return _Done() if async_op else None
+
+    def reduce_scatter_tensor(output, input, *args, async_op=False, **kwargs):
+        record("reduce_scatter_tensor", _nbytes(input))
+        return _Done() if async_op else None
+
+    fakes = {"all_gather": all_gather, "all_gather_into_tensor": into_tensor("all_gather_into_tensor"),
+             "all_gather_single": into_tensor("all_gather_single"),
+             "all_reduce": in_place("all_reduce"), "broadcast": in_place("broadcast"),
+             "reduce_scatter": reduce_scatter, "reduce_scatter_tensor": reduce_scatter_tensor}
+    for name, fake in fakes.items():
+        if hasattr(dist, name):
+            patched[name] = getattr(dist, name)
+            setattr(dist, name, fake)
+    try:
+        yield counter
+    finally:
+        for name, fn in patched.items():
+            setattr(dist, name, fn)
