@@ -77,6 +77,9 @@ def parse_args(argv=None):
                     help="ADMM's clip; polynomial is what a GPU runs (auto = eigh on this CPU)")
     ap.add_argument("--capturable", action="store_true",
                     help="pass capturable=True to ManifoldMuon (if its SolverOptions has that field)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="label products as if torch.backends.cuda.matmul.fp32_precision = 'tf32' "
+                         "(set_float32_matmul_precision('high')): TF32 for torch's fp32 matmuls and the kernels")
     ap.add_argument("--fixed-iterations", action="store_true",
                     help="tol 0: every solver runs to its iteration cap (no early exit), the worst case; "
                          "the work of a bank is then the same for any split over ranks")
@@ -193,7 +196,7 @@ def ownership(opt, world_size):
 
 def count_step(opt, world_size, rank):
     """OpCounter of one opt.step() as `rank` of `world_size`."""
-    counter = OpCounter()
+    counter = OpCounter(sites=True)
     saved = opt.world_size, opt.rank
     opt.world_size, opt.rank = world_size, rank
     try:
@@ -313,8 +316,34 @@ def main(argv=None):
         print("note: SolverOptions.capturable defaults to 'auto', True on CUDA tensors: a GPU run takes the "
               "sync-free path that --capturable counts; this count is the syncing path (auto on a CPU)")
     print(f"ManifoldMuon step, {args.assign}, {args.n_layer} layers x n_embd {args.n_embd}, clip {args.clip}"
-          f"{', capturable' if args.capturable else ''}{', fixed iterations' if args.fixed_iterations else ''}; "
+          f"{', capturable' if args.capturable else ''}{', fixed iterations' if args.fixed_iterations else ''}"
+          f"{', TF32 labels' if args.tf32 else ''}; "
           f"code at {commit}{' + uncommitted changes' if dirty else ''}", flush=True)
+    with tf32_labels(args.tf32):
+        return count_and_report(args, out)
+
+
+@contextlib.contextmanager
+def tf32_labels(enabled):
+    """The CUDA fp32 matmul precision the labels read (op_count.tf32_allowed), set for the count."""
+    matmul = torch.backends.cuda.matmul
+    if not enabled:
+        yield
+        return
+    if hasattr(matmul, "fp32_precision"):
+        saved, matmul.fp32_precision = matmul.fp32_precision, "tf32"
+    else:
+        saved, matmul.allow_tf32 = matmul.allow_tf32, True
+    try:
+        yield
+    finally:
+        if hasattr(matmul, "fp32_precision"):
+            matmul.fp32_precision = saved
+        else:
+            matmul.allow_tf32 = saved
+
+
+def count_and_report(args, out):
     mode = "real"
     t0 = time.perf_counter()
     if args.fake:
@@ -360,6 +389,9 @@ def main(argv=None):
           f"||.||^2 slots); products: {first['products']}")
     print(f"linalg: {first['linalg'] or 'none'}; host syncs by op: {first['host_syncs_by_op'] or 'none'}; "
           f"linalg ops that check info on the host (a sync on CUDA): {first['linalg_syncing_on_cuda']}")
+    print("FLOPs by call site (dense, as the torch twin computes them):")
+    for site, flops in first["flops_by_site"].items():
+        print(f"  {gf(flops):>9} GFLOP  {site}")
     return 0
 
 

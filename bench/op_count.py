@@ -32,6 +32,8 @@ DataDependentOutputException, after the counter has recorded it.
 """
 import contextlib
 import functools
+import os
+import sys
 from collections import Counter
 
 import torch
@@ -188,11 +190,29 @@ def product_precision(dtype, triton):
     return str(dtype).replace("torch.", "")  # float64: CUDA cores at a fraction of fp32
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops (see the module docstring); `summary()` gives the totals."""
+def call_site(packages=("manifolds", "kernels")):
+    """"file:line function" of the innermost caller in the first of `packages` found on the
+    stack (the algorithm step that asked for an op), or None."""
+    for package in packages:
+        marker = os.sep + package + os.sep
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            if marker in code.co_filename:
+                path = code.co_filename[code.co_filename.rindex(marker) + 1:]
+                return f"{path}:{frame.f_lineno} {code.co_name}"
+            frame = frame.f_back
+    return None
 
-    def __init__(self):
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops (see the module docstring); `summary()` gives the totals.
+    sites=True also sums product and linalg FLOPs by call site (`call_site`)."""
+
+    def __init__(self, sites=False):
         super().__init__()
+        self.record_sites = sites
+        self.sites = Counter()           # (call site, precision label or "linalg") -> FLOPs
         self.kernels = Counter()         # op name -> calls (outside the Triton products)
         self.fused = Counter()           # op name -> calls inside a Triton product (no kernel of their own)
         self.syncs = Counter()
@@ -246,12 +266,17 @@ class OpCounter(TorchDispatchMode):
             self.flops[label] += flops
             if not triton:  # a Triton launch adds its executed FLOPs when it returns
                 self.executed[label] += flops
+            if self.record_sites:
+                self.sites[(call_site(), label)] += flops
             self.products[(name, label)] += 1
         elif is_linalg(name):
             self.linalg[name] += 1
             formula = LINALG_FLOPS.get(name)
             if formula is not None:
-                self.linalg_flops[name] += formula(*args, **kwargs)
+                flops = formula(*args, **kwargs)
+                self.linalg_flops[name] += flops
+                if self.record_sites:
+                    self.sites[(call_site(), name)] += flops
 
     # -- results ---------------------------------------------------------------------------
     @property
@@ -289,6 +314,7 @@ class OpCounter(TorchDispatchMode):
             "linalg_syncing_on_cuda": sum(n for name, n in self.linalg.items() if name in CHECKS_INFO),
             "collectives": len(self.collectives),
             "collective_bytes_sent": sum(b for _, b in self.collectives),
+            "flops_by_site": {f"{site} [{label}]": flops for (site, label), flops in self.sites.most_common(top)},
         }
 
 
