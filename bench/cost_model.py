@@ -389,6 +389,8 @@ def count_and_report(args, out):
           f"||.||^2 slots); products: {first['products']}")
     print(f"linalg: {first['linalg'] or 'none'}; host syncs by op: {first['host_syncs_by_op'] or 'none'}; "
           f"linalg ops that check info on the host (a sync on CUDA): {first['linalg_syncing_on_cuda']}")
+    if first["host_syncs_by_site"]:
+        print("host syncs by call site: " + ", ".join(f"{site} x{n}" for site, n in first["host_syncs_by_site"].items()))
     print("FLOPs by call site (dense, as the torch twin computes them):")
     for site, flops in first["flops_by_site"].items():
         print(f"  {gf(flops):>9} GFLOP  {site}")

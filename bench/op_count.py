@@ -207,12 +207,13 @@ def call_site(packages=("manifolds", "kernels")):
 
 class OpCounter(TorchDispatchMode):
     """Counts aten ops (see the module docstring); `summary()` gives the totals.
-    sites=True also sums product and linalg FLOPs by call site (`call_site`)."""
+    sites=True also sums product and linalg FLOPs, and host syncs, by call site (`call_site`)."""
 
     def __init__(self, sites=False):
         super().__init__()
         self.record_sites = sites
-        self.sites = Counter()           # (call site, precision label or "linalg") -> FLOPs
+        self.sites = Counter()           # (call site, precision label or linalg op) -> FLOPs
+        self.sync_sites = Counter()      # call site -> host syncs
         self.kernels = Counter()         # op name -> calls (outside the Triton products)
         self.fused = Counter()           # op name -> calls inside a Triton product (no kernel of their own)
         self.syncs = Counter()
@@ -250,6 +251,8 @@ class OpCounter(TorchDispatchMode):
     def _count(self, name, args, kwargs):
         if name in SYNC_OPS:
             self.syncs[name] += 1  # counted before it runs: under fake tensors it raises
+            if self.record_sites:
+                self.sync_sites[call_site()] += 1
             return
         if name in VIEW_OPS:
             return
@@ -302,6 +305,7 @@ class OpCounter(TorchDispatchMode):
             "ops_fused_into_triton": sum(self.fused.values()),
             "host_syncs": self.sync_count,
             "host_syncs_by_op": dict(self.syncs),
+            "host_syncs_by_site": dict(self.sync_sites.most_common()),
             "host_literals": sum(self.literals.values()),
             "flops_by_precision": dict(self.flops),
             "flops_total": sum(self.flops.values()),
