@@ -14,13 +14,17 @@ The unit of work is a *piece*: a whole parameter, or a block of its rows when it
 gives `"blocks": [(row_lo, row_hi, manifold), ...]` (the fused QKV matrix as three q | k | v
 matrices, each on its own manifold). Pieces with the same manifold, shape and solver options
 form a *bank*, across groups, and are stacked into one batched computation; the learning
-rate and weight decay may differ inside a bank (they enter per matrix). Under torch.distributed each rank computes the step for its contiguous share
-of every bank (ceil(n / world) matrices; the last shares may be short or empty) and the new
-weights are exchanged with one all-gather per bank, started asynchronously so that the
-exchange of one bank overlaps the computation of the next. The dual warm start of a piece
-lives only on the rank that owns the piece, the momentum of a parameter on every rank that
-owns one of its pieces; `consolidated_state_dict` gathers
-them, and `load_state_dict` of a consolidated dict works for any world size.
+rate and weight decay may differ inside a bank (they enter per matrix).
+
+Under torch.distributed every piece is computed by one rank, its *owner*: the pieces are
+balanced over the ranks by an estimate of their cost (`piece_cost`, `balanced_owners`: longest
+first onto the least loaded rank), the same on every rank without communication. A rank solves
+its pieces of a bank together, as one batched solve. The new weights are exchanged with one
+flat all-gather per step: each rank sends its pieces (fp32, flattened, padded to the largest
+rank's volume) and every rank writes all of them. The dual warm start of a piece lives only on
+its owner, the momentum of a parameter on every rank that owns one of its pieces;
+`consolidated_state_dict` gathers them, and `load_state_dict` of a consolidated dict works for
+any world size.
 """
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -28,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from manifolds.dual import SolverOptions, solve_tall
+from manifolds.dual import SolverOptions, choose_solver, solve_tall, use_eigh
 from manifolds.geometry import MANIFOLDS, geometry
 
 SOLVER_DEFAULTS = asdict(SolverOptions())
@@ -54,8 +58,80 @@ class Piece:
         """State key of the piece's warm start ("dual" for a whole parameter)."""
         return "dual" if self.whole else f"dual@{self.lo}"
 
+    @property
+    def key(self):
+        """Identifies the piece among the optimizer's (the same on every rank)."""
+        return id(self.param), self.lo
+
     def weight(self):
         return self.param[self.lo:self.hi]
+
+
+def solver_options(group):
+    return SolverOptions(**{k: group.get(k, v) for k, v in SOLVER_DEFAULTS.items()})
+
+
+def _msign_cost(p, q, steps):
+    # one polynomial step on the q x p orientation: S = X X^T, S^2, B X
+    return steps * (2 * p * q * q + q ** 3)
+
+
+def piece_cost(piece):
+    """Estimated cost of one warm step of a piece, in multiply-adds, from its shape, manifold and
+    solver options. Only the ratios between pieces matter (they balance the ranks); the terms
+    follow manifolds/dual.py and span.py, on the tall orientation p x q (p >= q):
+
+      none:          one msign (Polar Express + polish steps, ~2 p q^2 + q^3 each)
+      dual:          per evaluation G + 2 W Lambda, msign, the residual and its update (~3 p q^2);
+                     square Stiefel is exact in one evaluation, otherwise dual_steps + 1
+      admm:          admm_steps iterations (twice that for p < 2q) of a tangent projection and a
+                     spectral clip on the n x q problem: n = 2q in span[W, G] for p >= 2q (the
+                     projection is then O(q^2)), else n = p; the clip is an eigh of the q x q Gram
+                     (~10 q^3 + 2 n q^2) on CPU, two msigns on GPU. The span reduction adds its
+                     Gram K of [W, G] (4 p q^2) and the lift (2 p q^2)
+      every manifold: the final projection and spectral norm (3 p q^2 + 5 q^3), the retraction
+                     (3 Newton-Schulz steps)
+
+    dgram-cap is costed as dgram (its active-set rounds run only with columns at the cap), and
+    early exits on convergence are ignored. Integers, so that ties are exact on every rank.
+    """
+    rows, cols = piece.hi - piece.lo, piece.param.size(1)
+    p, q = max(rows, cols), min(rows, cols)
+    opts = solver_options(piece.group)
+    polar_steps = opts.msign_steps + opts.polish_steps
+    if piece.manifold == "none":
+        return _msign_cost(p, q, polar_steps)
+    common = 3 * p * q * q + 5 * q ** 3 + _msign_cost(p, q, 3)
+    solver = choose_solver((p, q), piece.manifold) if opts.solver == "auto" else opts.solver
+    if solver == "dual":
+        evaluations = 1 if piece.manifold == "stiefel" and p == q else opts.dual_steps + 1
+        per_evaluation = 3 * p * q * q + q ** 3 + _msign_cost(p, q, polar_steps)
+        # + Lambda0 and the final Newton-Schulz polish of A
+        return evaluations * per_evaluation + 2 * p * q * q + _msign_cost(p, q, 2) + common
+    iterations = opts.admm_steps * (2 if p < 2 * q else 1)
+    reduced = opts.reduce and p >= 2 * q
+    n = 2 * q if reduced else p
+    projection = 2 * q * q if reduced else 2 * p * q * q
+    if use_eigh(opts, piece.param):
+        clip = 2 * n * q * q + 10 * q ** 3
+    else:
+        clip = 2 * _msign_cost(n, q, polar_steps) + 2 * n * q * q
+    setup = 6 * p * q * q if reduced else 0
+    return iterations * (projection + clip) + setup + common
+
+
+def balanced_owners(costs, world_size):
+    """The rank that computes each of these pieces (costs in the optimizer's piece order):
+    longest processing time first, each piece onto the least loaded rank (ties: the lowest
+    rank), pieces in order of decreasing cost (ties: the earlier piece). Deterministic, so every
+    rank computes the same assignment without communicating."""
+    loads = [0] * world_size
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[i] = rank
+        loads[rank] += costs[i]
+    return owners
 
 
 class ManifoldMuon(torch.optim.Optimizer):
@@ -111,23 +187,39 @@ class ManifoldMuon(torch.optim.Optimizer):
             by_key.setdefault(key, []).append(piece)
         yield from by_key.items()
 
-    def share(self, n):
-        """[lo, hi) of the n matrices of a bank that this rank computes, and the padded share size."""
-        size = -(-n // self.world_size)
-        lo = min(self.rank * size, n)
-        return lo, min(lo + size, n), size
+    def owners(self):
+        """{piece.key: rank} for every piece: the rank that computes its step (balanced_owners)."""
+        pieces = list(self.pieces())
+        owners = balanced_owners([piece_cost(piece) for piece in pieces], self.world_size)
+        return {piece.key: rank for piece, rank in zip(pieces, owners)}
 
     def owned_pieces(self):
-        return [piece for _, pieces in self.banks() for piece in pieces[slice(*self.share(len(pieces))[:2])]]
+        owners = self.owners()
+        return [piece for _, pieces in self.banks() for piece in pieces if owners[piece.key] == self.rank]
 
     def owned(self):
         """Parameters whose momentum this rank keeps (it owns at least one of their pieces)."""
         seen = OrderedDict((id(piece.param), piece.param) for piece in self.owned_pieces())
         return list(seen.values())
 
+    def _layout(self, banks, owners):
+        """[the pieces each rank sends, in bank order] for these (name, pieces) banks."""
+        layout = [[] for _ in range(self.world_size)]
+        for _, pieces in banks:
+            for piece in pieces:
+                layout[owners[piece.key]].append(piece)
+        return layout
+
+    def _exchange_width(self, layout, n_banks):
+        """Elements each rank sends: the largest rank's pieces, then 2 statistics per bank."""
+        return max(sum(piece.weight().numel() for piece in pieces) for pieces in layout) + 2 * n_banks
+
     def all_gather_elements(self):
-        """Elements of one step's all-gathered banks, padded ((N-1)/N of them come from other ranks)."""
-        return sum(self.share(len(ps))[2] * self.world_size * ps[0].weight().numel() for _, ps in self.banks())
+        """Elements of one step's flat all-gather, padded ((N-1)/N of them come from other ranks)."""
+        banks = list(self.banks())
+        if not banks:
+            return 0
+        return self.world_size * self._exchange_width(self._layout(banks, self.owners()), len(banks))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -137,28 +229,63 @@ class ManifoldMuon(torch.optim.Optimizer):
                 loss = closure()
         self.last_stats = {}
         momenta = {}  # id(param) -> the Nesterov momentum G of a parameter this rank steps
-        pending = []
-        for key, pieces in self.banks():
+        owners = self.owners() if self.world_size > 1 else None
+        active, computed = [], []  # (name, pieces) of the banks stepped; (pieces, new weights) of this rank's
+        for _, pieces in self.banks():
             if any(piece.param.grad is None for piece in pieces):
                 if all(piece.param.grad is None for piece in pieces):
                     continue
                 raise RuntimeError("ManifoldMuon needs gradients for all or none of a bank's matrices")
-            lo, hi, size = self.share(len(pieces))
-            mine = self._step_bank(pieces[lo:hi], momenta) if hi > lo else None
+            name = self.bank_name(pieces)
             if self.world_size == 1:
-                self._write(pieces, mine)
+                self._write(pieces, self._step_bank(pieces, momenta, name))
                 continue
-            # equal-sized pieces for the all-gather: pad a short or empty share
-            shape = pieces[0].weight().shape
-            piece = torch.zeros((size,) + shape, dtype=torch.float32, device=pieces[0].param.device)
-            if mine is not None:
-                piece[: hi - lo] = mine
-            gathered = [torch.empty_like(piece) for _ in range(self.world_size)]
-            pending.append((dist.all_gather(gathered, piece, async_op=True), gathered, pieces))
-        for handle, gathered, pieces in pending:
-            handle.wait()
-            self._write(pieces, torch.cat(gathered)[: len(pieces)])
+            active.append((name, pieces))
+            mine = [piece for piece in pieces if owners[piece.key] == self.rank]
+            if mine:
+                computed.append((mine, self._step_bank(mine, momenta, name)))
+        if active:
+            self._exchange(active, computed, owners)
         return loss
+
+    def _exchange(self, banks, computed, owners):
+        """Every rank's new weights to every rank: one flat all-gather. A rank's buffer is its
+        pieces in bank order (as `_layout` lists them), padded, then per bank the iterations and
+        residual of its share (-inf where it owns none), so that `stats` covers the whole bank."""
+        layout = self._layout(banks, owners)
+        width = self._exchange_width(layout, len(banks))
+        device = banks[0][1][0].param.device
+        send = torch.zeros(width, dtype=torch.float32, device=device)
+        offset = 0
+        for _, new_W in computed:
+            send[offset:offset + new_W.numel()] = new_W.reshape(-1)
+            offset += new_W.numel()
+        names = [name for name, _ in banks]
+        stats = send[width - 2 * len(banks):].view(len(banks), 2)
+        stats.fill_(-float("inf"))
+        for i, name in enumerate(names):
+            if name in self.last_stats:  # tensors, not floats: no device sync
+                stats[i, 0] = self.last_stats[name]["iterations"]
+                stats[i, 1] = self.last_stats[name]["residual"]
+        # the flat (world x width) form: gloo takes no stacked output
+        received = torch.empty(self.world_size * width, dtype=torch.float32, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        handle = gather(received, send, async_op=True)
+        received = received.view(self.world_size, width)
+        for pieces, new_W in computed:  # this rank's own pieces need not wait for the exchange
+            self._write(pieces, new_W)
+        handle.wait()
+        for rank, pieces in enumerate(layout):
+            if rank == self.rank:
+                continue
+            offset = 0
+            for piece in pieces:
+                n = piece.weight().numel()
+                piece.weight().copy_(received[rank, offset:offset + n].view(piece.weight().shape))
+                offset += n
+        merged = received[:, width - 2 * len(banks):].view(self.world_size, len(banks), 2).amax(dim=0)
+        self.last_stats = {name: {"iterations": merged[i, 0], "residual": merged[i, 1]}
+                           for i, name in enumerate(names)}
 
     @staticmethod
     def _write(pieces, new_W):
@@ -178,8 +305,9 @@ class ManifoldMuon(torch.optim.Optimizer):
             momenta[id(p)] = g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf.clone()
         return momenta[id(p)][piece.lo:piece.hi]
 
-    def _step_bank(self, pieces, momenta):
-        """New weights (stacked, original orientation) for these same-shape pieces."""
+    def _step_bank(self, pieces, momenta, name):
+        """New weights (stacked, original orientation) for these same-shape pieces of the bank
+        `name` (all of them, or this rank's)."""
         G = torch.stack([self._momentum(piece, momenta) for piece in pieces])
         W = torch.stack([piece.weight().float() for piece in pieces])
         wide = W.size(-2) < W.size(-1)
@@ -187,7 +315,7 @@ class ManifoldMuon(torch.optim.Optimizer):
             W, G = W.mT, G.mT
         group, manifold = pieces[0].group, pieces[0].manifold
         eta = W.new_tensor([piece.group["lr"] for piece in pieces])[:, None, None]
-        opts = SolverOptions(**{k: group.get(k, v) for k, v in SOLVER_DEFAULTS.items()})
+        opts = solver_options(group)
         warm = [self.state[piece.param].get(piece.dual_key) for piece in pieces]
         state = torch.stack(warm) if all(w is not None for w in warm) else None
         solution = solve_tall(W, G, manifold, state, opts)
@@ -202,13 +330,13 @@ class ManifoldMuon(torch.optim.Optimizer):
                 else:
                     self.state[piece.param][piece.dual_key] = solution.state[i]
         # tensors, not floats: reading them would sync the device every bank
-        self.last_stats[self.bank_name(pieces)] = {"iterations": solution.iterations,
-                                                   "residual": solution.residual.max()}
+        self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max()}
         return new_W.mT if wide else new_W
 
     def stats(self):
-        """{bank: {"iterations": int, "residual": float}} of the last step (this rank's shares)."""
-        return {name: {"iterations": s["iterations"], "residual": float(s["residual"])}
+        """{bank: {"iterations": int, "residual": float}} of the last step: the largest over the
+        bank's matrices (under torch.distributed, over every rank's share)."""
+        return {name: {"iterations": int(s["iterations"]), "residual": float(s["residual"])}
                 for name, s in self.last_stats.items()}
 
     @staticmethod
