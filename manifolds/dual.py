@@ -42,7 +42,7 @@ import torch
 
 import kernels
 from manifolds.geometry import geometry
-from manifolds.span import SpanReduction, top_eigenvalue
+from manifolds.span import SpanReduction, StackedSpans, top_eigenvalue
 
 
 @dataclass
@@ -225,40 +225,79 @@ def dual_ascent(W, G, geo, correction, opts):
 
 def admm(W, G, geo, correction, opts):
     """ADMM on tall banks; rows >= 2 cols as the equivalent 2q x q problem in span[W, G]
-    (span.py) unless a matrix's coefficients would lose precision (one host sync per bank)."""
-    d2 = geo.squared_norms(W)
+    (span.py) unless a matrix's coefficients would lose precision (admm_in_span)."""
+    correction = usable_correction(W, correction)
+    if not reducible(W, opts):
+        return admm_full(W, G, geo, correction, opts)
+    batch = W.shape[:-2]  # admm_in_span stacks banks of one batch dimension
+    flat = lambda X: X.reshape((-1,) + X.shape[len(batch):])  # noqa: E731
+    pinned = getattr(geo, "pinned", None)
+    flat_geo = geo.pin(flat(pinned)) if pinned is not None else geo
+    s = admm_in_span([(flat(W), flat(G), flat_geo, None if correction is None else flat(correction))], opts)[0]
+    return Solution(s.A.reshape(W.shape), s.state.reshape(batch + s.state.shape[-2:]), s.residual.reshape(batch),
+                    s.iterations, s.fallbacks)
+
+
+def usable_correction(W, correction):
     if correction is not None and correction.shape[-2:] != (W.size(-1),) * 2:
-        correction = None  # another solver's state (checkpoints of earlier versions kept (Z, rho U))
-    if opts.reduce and W.size(-2) >= 2 * W.size(-1):
-        span = SpanReduction(W, G, geo, d2)
-        if capturable(opts, W):
-            return admm_span_sync_free(W, G, geo, correction, opts, d2, span)
-        if bool(span.valid.all()):
-            B, correction_new, residual, iterations = admm_iterations(span.W, span.G, geo, correction, opts,
-                                                                      span.d2, span.project)
-            B, precise = span.lift(B)
-            if bool(precise.all()):
-                return Solution(finalize(W, B, geo, d2, opts), correction_new, residual, iterations)
-    B, correction, residual, iterations = admm_iterations(W, G, geo, correction, opts)
+        return None  # another solver's state (checkpoints of earlier versions kept (Z, rho U))
+    return correction
+
+
+def reducible(W, opts):
+    return opts.reduce and W.size(-2) >= 2 * W.size(-1)
+
+
+def admm_full(W, G, geo, correction, opts, d2=None):
+    """ADMM on the full p x q matrices."""
+    d2 = geo.squared_norms(W) if d2 is None else d2
+    B, correction, residual, iterations = admm_iterations(W, G, geo, correction, opts, d2)
     return Solution(finalize(W, B, geo, d2, opts), correction, residual, iterations)
 
 
-def admm_span_sync_free(W, G, geo, correction, opts, d2, span):
-    """ADMM in span coordinates with the precision fallback chosen per matrix on the device.
+def admm_in_span(problems, opts):
+    """[Solution] of tall banks [(W, G, geo, correction)] (rows >= 2 cols, the same q, all warm
+    or all cold) solved as ONE batched ADMM in span coordinates (span.StackedSpans), whatever
+    their row counts and manifolds; lifted and finalised bank by bank.
 
-    A matrix whose span coefficients are imprecise (span.lift; rare: G nearly inside span[W])
-    gets the Euclidean tangent projection of G instead of ADMM's answer: a descent direction
-    at the same step length, exact but not the spectral-norm steepest one (the synchronising
-    solve re-runs such a bank on the full matrices). `Solution.fallbacks` counts them, on the
-    device, for the optimizer's stats.
+    Precision fallback: a bank whose span has no Cholesky factor, or whose lifted answer is
+    imprecise (span.lift; rare: G nearly inside span[W]), is solved again on the full matrices
+    (two host syncs for all banks together). Capturable: no syncs; an imprecise matrix gets
+    the Euclidean tangent projection of G instead, a descent direction at the same step
+    length, exact but not the spectral-norm steepest one, counted in `Solution.fallbacks`.
     """
-    B, correction_new, residual, iterations = admm_iterations(span.W, span.G, geo, correction, opts,
-                                                              span.d2, span.project)
-    B, precise = span.lift(B)
-    fallback = geo.tangent_projection(W, G, d2, opts.backend)
-    B = masked_update(precise, fallback, B)
-    correction_new = masked_update(precise, torch.zeros_like(correction_new), correction_new)
-    return Solution(finalize(W, B, geo, d2, opts), correction_new, residual, iterations, (~precise).sum())
+    if len({correction is None for *_, correction in problems}) > 1:
+        raise ValueError("admm_in_span takes banks that are all warm-started or all cold")
+    sync_free = capturable(opts, problems[0][0])
+    spans = [SpanReduction(W, G, geo, geo.squared_norms(W)) for W, G, geo, _ in problems]
+    # one host sync for all the banks (none when capturable: an invalid span is caught by lift)
+    valid = [True] * len(spans) if sync_free else torch.stack([span.valid.all() for span in spans]).tolist()
+    solutions = [None] * len(problems)
+    stacked_ids = [i for i, ok in enumerate(valid) if ok]
+    if stacked_ids:
+        stacked = StackedSpans([spans[i] for i in stacked_ids])
+        corrections = [problems[i][3] for i in stacked_ids]
+        correction = None if corrections[0] is None else torch.cat(corrections)
+        B, correction_new, residual, iterations = admm_iterations(stacked.W, stacked.G, stacked.geo, correction,
+                                                                  opts, stacked.d2, stacked.project)
+        lifted = [(i, *spans[i].lift(b), c, r) for i, b, c, r in zip(
+            stacked_ids, stacked.split(B), stacked.split(correction_new), stacked.split(residual))]
+        precise = ([True] * len(lifted) if sync_free
+                   else torch.stack([ok.all() for _, _, ok, _, _ in lifted]).tolist())
+        for (i, X, ok, c, r), all_ok in zip(lifted, precise):
+            W, G, geo, _ = problems[i]
+            d2, fallbacks = spans[i].d2, 0
+            if sync_free:
+                X = masked_update(ok, geo.tangent_projection(W, G, d2, opts.backend), X)
+                c, fallbacks = masked_update(ok, torch.zeros_like(c), c), (~ok).sum()
+            elif not all_ok:
+                continue
+            solutions[i] = Solution(finalize(W, X, geo, d2, opts), c, r, iterations, fallbacks)
+    for i, solution in enumerate(solutions):
+        if solution is None:
+            W, G, geo, correction = problems[i]
+            solutions[i] = admm_full(W, G, geo, correction, opts, spans[i].d2)
+    return solutions
 
 
 def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
@@ -318,7 +357,7 @@ def solve_tall(W, G, manifold, state=None, opts=None):
     """Solve on the tall orientation (W, G: (..., p, q), p >= q). G need not be normalised."""
     opts = opts or SolverOptions()
     geo = geometry(manifold, opts.dgram_cap)
-    G = G / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
+    G = unit(G)
     if manifold == "none":
         A = kernels.msign(G, opts.msign_steps, opts.polish_steps, opts.backend)
         zero = torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device)
@@ -331,6 +370,36 @@ def solve_tall(W, G, manifold, state=None, opts=None):
     if manifold == "dgram-cap":
         solution = solve_capped(W, G, geo, state, opts, solve, solution)
     return solution
+
+
+def unit(G):
+    """G / ||G||_F per matrix: the direction does not depend on G's scale, the multiplier does."""
+    return G / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
+
+
+def solve_tall_banks(banks, opts=None):
+    """[Solution] for banks [(W, G, manifold, state)] (tall orientation) under the same options.
+
+    The banks ADMM solves in span coordinates (Stiefel or DGram, rows >= 2 cols) are solved
+    together, one batched ADMM per column count q and warm/cold start (admm_in_span): GPT-2
+    small HETERO's c_attn, c_fc and mlp.c_proj of all layers are 36 problems of 1536 x 768,
+    each product of an iteration one launch for all. Every other bank goes through solve_tall.
+    """
+    opts = opts or SolverOptions()
+    solutions = [None] * len(banks)
+    stacks = {}
+    for i, (W, G, manifold, state) in enumerate(banks):
+        solver = choose_solver(W.shape, manifold) if opts.solver == "auto" else opts.solver
+        if manifold in ("stiefel", "dgram") and solver == "admm" and reducible(W, opts):
+            state = usable_correction(W, state)
+            key = (W.size(-1), state is None, W.dtype, W.device)
+            stacks.setdefault(key, []).append((i, (W, unit(G), geometry(manifold), state)))
+        else:
+            solutions[i] = solve_tall(W, G, manifold, state, opts)
+    for members in stacks.values():
+        for (i, _), solution in zip(members, admm_in_span([problem for _, problem in members], opts)):
+            solutions[i] = solution
+    return solutions
 
 
 def solve_capped(W, G, geo, state, opts, solve, solution, rounds=3):

@@ -48,6 +48,11 @@ class Manifold:
         """d_i^2 as a (..., q) tensor (Stiefel: d = 1)."""
         return torch.ones(W.shape[:-2] + W.shape[-1:], dtype=W.dtype, device=W.device)
 
+    def keeps_diagonal(self, W):
+        """Which diagonal entries P keeps, one bool per column (..., q): Stiefel all, DGram none."""
+        return torch.full(W.shape[:-2] + W.shape[-1:], self.kernel_name == "stiefel", dtype=torch.bool,
+                          device=W.device)
+
     def pair_scale(self, W):
         """(d_i^2 + d_j^2) as a (..., q, q) tensor: the Gram-space metric at W."""
         return pair_scale(self.squared_norms(W))
@@ -175,33 +180,37 @@ class DGramCap(DGram):
         """Columns whose norm is at the cap (retraction leaves them at C up to rounding)."""
         return self.squared_norms(W).sqrt() >= self.cap * (1 - rtol)
 
+    def keeps_diagonal(self, W):
+        if self.pinned is None:
+            return super().keeps_diagonal(W)
+        return self.pinned
+
+    # With pinned columns the projector is a per-column mask: MaskedGram's operations
     def gram_projector(self, S):
         if self.pinned is None:
             return off_diagonal(S)
-        return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1) * ~self.pinned)
+        return MaskedGram(self.pinned).gram_projector(S)
 
     def tangent_residual(self, W, A, backend="auto", with_norm=False):
         if self.pinned is None:
             return super().tangent_residual(W, A, backend, with_norm)
-        # Stiefel's P (the full symmetric part), then the unpinned diagonal zeroed
-        H = self.gram_projector(kernels.tangent_residual(W, A, "stiefel", backend))
-        return (H, H.square().sum(dim=(-2, -1))) if with_norm else H
+        return MaskedGram(self.pinned).tangent_residual(W, A, backend, with_norm)
 
     def preconditioned(self, W, A, d2, alpha=1.0, backend="auto"):
         if self.pinned is None:
             return super().preconditioned(W, A, d2, alpha, backend)
-        return self.gram_projector(kernels.preconditioned(W, A, "stiefel", d2, alpha, backend))
+        return MaskedGram(self.pinned).preconditioned(W, A, d2, alpha, backend)
 
     def tangent_projection(self, W, A, d2=None, backend="auto"):
         if self.pinned is None:
             return super().tangent_projection(W, A, d2, backend)
         d2 = self.squared_norms(W) if d2 is None else d2
-        return kernels.matmul_add(W, self.preconditioned(W, A, d2, 1.0, backend), A, alpha=-1.0, backend=backend)
+        return MaskedGram(self.pinned).tangent_projection(W, A, d2, backend)
 
     def dual_update(self, Lambda, H, M, d2, step, backend="auto"):
         if self.pinned is None:
             return super().dual_update(Lambda, H, M, d2, step, backend)
-        return self.gram_projector(kernels.dual_update(Lambda, H, M, "stiefel", d2, step, backend))
+        return MaskedGram(self.pinned).dual_update(Lambda, H, M, d2, step, backend)
 
     def column_scale(self, norms):
         return norms.clamp_max(self.cap)  # R(X) = msign(X N^-1) min(N, C)
@@ -210,6 +219,44 @@ class DGramCap(DGram):
         # DGram's violation, or the relative excess of a column norm over the cap if larger
         excess = (self.squared_norms(W).sqrt().amax(dim=-1) / self.cap - 1).clamp_min(0)
         return torch.maximum(super().violation(W), excess)
+
+
+class MaskedGram(Manifold):
+    """The Gram geometry of a batch whose matrices (or columns) differ only in P's diagonal.
+
+    P(S) = S - diag(S) * ~keep, `keep` (..., q) one bool per column: Stiefel's P keeps every
+    diagonal entry, DGram's none, dgram-cap's pinned columns theirs. Stacking Stiefel and DGram
+    problems into one batch (span coordinates make them all 2q x q, manifolds/span_bank.py)
+    then needs nothing but this mask; the squared column norms d2 come with each problem
+    (Stiefel: 1). The operations are Stiefel's fused kernels followed by the mask.
+    """
+    name = "masked"
+    kernel_name = "stiefel"
+
+    def __init__(self, keep):
+        self.keep = keep
+
+    def gram_projector(self, S):
+        return S - torch.diag_embed(torch.diagonal(S, dim1=-2, dim2=-1) * ~self.keep)
+
+    def tangent_residual(self, W, A, backend="auto", with_norm=False):
+        # Stiefel's P (the full symmetric part), then the diagonal entries not kept zeroed
+        H = self.gram_projector(kernels.tangent_residual(W, A, "stiefel", backend))
+        return (H, H.square().sum(dim=(-2, -1))) if with_norm else H
+
+    def preconditioned(self, W, A, d2, alpha=1.0, backend="auto"):
+        return self.gram_projector(kernels.preconditioned(W, A, "stiefel", d2, alpha, backend))
+
+    def tangent_projection(self, W, A, d2=None, backend="auto"):
+        if d2 is None:
+            raise ValueError("MaskedGram needs the problems' squared column norms d2")
+        return kernels.matmul_add(W, self.preconditioned(W, A, d2, 1.0, backend), A, alpha=-1.0, backend=backend)
+
+    def dual_update(self, Lambda, H, M, d2, step, backend="auto"):
+        return self.gram_projector(kernels.dual_update(Lambda, H, M, "stiefel", d2, step, backend))
+
+    def keeps_diagonal(self, W):
+        return self.keep
 
 
 MANIFOLDS = {m.name: m for m in (Stiefel(), DGram(), DGramCap(), Unconstrained())}

@@ -14,7 +14,9 @@ The unit of work is a *piece*: a whole parameter, or a block of its rows when it
 gives `"blocks": [(row_lo, row_hi, manifold), ...]` (the fused QKV matrix as three q | k | v
 matrices, each on its own manifold). Pieces with the same manifold, shape and solver options
 form a *bank*, across groups, and are stacked into one batched computation; the learning
-rate and weight decay may differ inside a bank (they enter per matrix).
+rate and weight decay may differ inside a bank (they enter per matrix). Banks of the same
+solver options are solved in one call (dual.solve_tall_banks): the tall Stiefel and DGram
+banks of one column count as ONE batched ADMM in span coordinates, whatever their rows.
 
 Under torch.distributed every piece is computed by one rank, its *owner*: the pieces are
 balanced over the ranks by an estimate of their cost (`piece_cost`, `balanced_owners`: longest
@@ -32,7 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from manifolds.dual import SolverOptions, choose_solver, solve_tall, use_eigh
+from manifolds.dual import SolverOptions, choose_solver, solve_tall_banks, use_eigh
 from manifolds.geometry import MANIFOLDS, geometry
 
 SOLVER_DEFAULTS = asdict(SolverOptions())
@@ -230,21 +232,27 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.last_stats = {}
         momenta = {}  # id(param) -> the Nesterov momentum G of a parameter this rank steps
         owners = self.owners() if self.world_size > 1 else None
-        active, computed = [], []  # (name, pieces) of the banks stepped; (pieces, new weights) of this rank's
-        for _, pieces in self.banks():
+        active = []  # (name, pieces) of the banks stepped
+        work = OrderedDict()  # solver options -> [(name, this rank's pieces of the bank)]
+        for key, pieces in self.banks():
             if any(piece.param.grad is None for piece in pieces):
                 if all(piece.param.grad is None for piece in pieces):
                     continue
                 raise RuntimeError("ManifoldMuon needs gradients for all or none of a bank's matrices")
             name = self.bank_name(pieces)
-            if self.world_size == 1:
-                self._write(pieces, self._step_bank(pieces, momenta, name))
-                continue
             active.append((name, pieces))
-            mine = [piece for piece in pieces if owners[piece.key] == self.rank]
+            mine = pieces if self.world_size == 1 else [piece for piece in pieces if owners[piece.key] == self.rank]
             if mine:
-                computed.append((mine, self._step_bank(mine, momenta, name)))
-        if active:
+                work.setdefault(key[-1], []).append((len(active), name, mine))
+        # banks of the same solver options are solved together (the tall ADMM ones as one batch);
+        # `computed` stays in bank order, the order the exchange packs
+        computed = sorted((index, done) for banks in work.values()
+                          for (index, _, _), done in zip(banks, self._step_banks([b[1:] for b in banks], momenta)))
+        computed = [done for _, done in computed]
+        if self.world_size == 1:
+            for pieces, new_W in computed:
+                self._write(pieces, new_W)
+        elif active:
             self._exchange(active, computed, owners)
         return loss
 
@@ -305,20 +313,30 @@ class ManifoldMuon(torch.optim.Optimizer):
             momenta[id(p)] = g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf.clone()
         return momenta[id(p)][piece.lo:piece.hi]
 
-    def _step_bank(self, pieces, momenta, name):
-        """New weights (stacked, original orientation) for these same-shape pieces of the bank
-        `name` (all of them, or this rank's)."""
+    def _step_banks(self, banks, momenta):
+        """[(pieces, new weights stacked in their orientation)] for banks [(name, pieces)] of the
+        same solver options (all of each bank's pieces, or this rank's): one solve_tall_banks."""
+        opts = solver_options(banks[0][1][0].group)
+        inputs = [self._bank_inputs(pieces, momenta) for _, pieces in banks]
+        solutions = solve_tall_banks([(W, G, pieces[0].manifold, state)
+                                      for (W, G, state), (_, pieces) in zip(inputs, banks)], opts)
+        return [(pieces, self._finish_bank(pieces, name, W, solution, opts))
+                for (W, _, _), (name, pieces), solution in zip(inputs, banks, solutions)]
+
+    def _bank_inputs(self, pieces, momenta):
+        """(W, G, warm start) of same-shape pieces, stacked, on the tall orientation."""
         G = torch.stack([self._momentum(piece, momenta) for piece in pieces])
         W = torch.stack([piece.weight().float() for piece in pieces])
-        wide = W.size(-2) < W.size(-1)
-        if wide:  # work on the tall orientation: constraints act on the small Gram matrix
+        if W.size(-2) < W.size(-1):  # work on the tall orientation: constraints act on the small Gram matrix
             W, G = W.mT, G.mT
-        group, manifold = pieces[0].group, pieces[0].manifold
-        eta = W.new_tensor([piece.group["lr"] for piece in pieces])[:, None, None]
-        opts = solver_options(group)
         warm = [self.state[piece.param].get(piece.dual_key) for piece in pieces]
-        state = torch.stack(warm) if all(w is not None for w in warm) else None
-        solution = solve_tall(W, G, manifold, state, opts)
+        return W, G, torch.stack(warm) if all(w is not None for w in warm) else None
+
+    def _finish_bank(self, pieces, name, W, solution, opts):
+        """The pieces' new weights (original orientation) from their solution; keeps the warm start."""
+        wide = pieces[0].hi - pieces[0].lo < pieces[0].param.size(1)
+        manifold = pieces[0].manifold
+        eta = W.new_tensor([piece.group["lr"] for piece in pieces])[:, None, None]
         if manifold == "none":
             decay = W.new_tensor([piece.group["weight_decay"] for piece in pieces])[:, None, None]
             new_W = W * (1 - eta * decay) - eta * solution.A

@@ -67,13 +67,7 @@ class SpanReduction:
         self.K_norm = (v * (K @ v)).sum(dim=(-2, -1))
 
     def project(self, Y):
-        """Euclidean projection onto the tangent space at W' = [D; 0]: Y - W' M with
-        M = P(D y + y^T D) / (d_i^2 + d_j^2), y the top q rows of Y. O(q^2)."""
-        q = self.d.size(-1)
-        top = Y[..., :q, :]
-        Dy = self.d.unsqueeze(-1) * top
-        M = self.geo.gram_projector(Dy + Dy.mT) / self.pair
-        return torch.cat([top - self.d.unsqueeze(-1) * M, Y[..., q:, :]], dim=-2)
+        return project_at_diagonal(Y, self.d, self.pair, self.geo)
 
     def lift(self, x):
         """(X = V c with R c = x, precise): the full p x q matrix of coordinates x, and
@@ -86,6 +80,47 @@ class SpanReduction:
         eps = torch.finfo(c.dtype).eps
         growth = c.square().sum(dim=(-2, -1)) * self.K_norm / x.square().sum(dim=(-2, -1)).clamp_min(1e-30)
         return X, self.valid & torch.isfinite(growth) & (growth * eps <= 1e-3)
+
+
+def project_at_diagonal(Y, d, pair, geo):
+    """Euclidean projection onto the tangent space at W' = [D; 0]: Y - W' M with
+    M = P(D y + y^T D) / (d_i^2 + d_j^2), y the top q rows of Y. O(q^2)."""
+    q = d.size(-1)
+    top = Y[..., :q, :]
+    Dy = d.unsqueeze(-1) * top
+    M = geo.gram_projector(Dy + Dy.mT) / pair
+    return torch.cat([top - d.unsqueeze(-1) * M, Y[..., q:, :]], dim=-2)
+
+
+class StackedSpans:
+    """Span reductions of several banks with the same column count q, as one batch.
+
+    In span coordinates every tall problem is 2q x q whatever its row count, and Stiefel and
+    DGram problems differ only in the Gram projector's diagonal (geometry.MaskedGram) and in
+    d2: one batched ADMM then solves all of them, each product one launch for the whole set.
+    Banks are (n_i, 2q, q) and stack along the first dimension; `split` undoes it.
+    """
+
+    def __init__(self, spans):
+        from manifolds.geometry import MaskedGram
+        self.spans = spans
+        self.sizes = [span.W.size(0) for span in spans]
+        self.W = torch.cat([span.W for span in spans])
+        self.G = torch.cat([span.G for span in spans])
+        self.d = torch.cat([span.d for span in spans])
+        self.d2 = torch.cat([span.d2 for span in spans])
+        self.pair = torch.cat([span.pair for span in spans])
+        uniform = {(type(span.geo), getattr(span.geo, "pinned", None) is None) for span in spans}
+        if len(uniform) == 1 and next(iter(uniform))[1]:
+            self.geo = spans[0].geo  # one manifold: its own projector, no mask
+        else:
+            self.geo = MaskedGram(torch.cat([span.geo.keeps_diagonal(span.W) for span in spans]))
+
+    def project(self, Y):
+        return project_at_diagonal(Y, self.d, self.pair, self.geo)
+
+    def split(self, X):
+        return torch.split(X, self.sizes)
 
 
 def top_eigenvalue(S, iters):
