@@ -113,8 +113,8 @@ def capturable(opts, W):
     return opts.capturable
 
 
-def rms(M):
-    return M.square().mean(dim=(-2, -1)).sqrt()
+def frobenius(M):
+    return torch.linalg.matrix_norm(M)
 
 
 def relative_residual(W, sumsq):
@@ -180,8 +180,16 @@ def masked_update(active, old, new):
 
 def finalize(W, A, geo, d2, opts):
     """Exact tangent projection, then scale so that ||A||_op = 1."""
-    A = geo.tangent_projection(W, A, d2, opts.backend)
-    return A / spectral_norm(A, opts.norm_iters).clamp_min(1e-30)[..., None, None]
+    return finalize_banks([(W, A, geo, d2)], opts)[0]
+
+
+def finalize_banks(banks, opts):
+    """finalize for banks [(W, A, geo, d2)] of the same q (any rows, any batch shape): the
+    projections bank by bank, the spectral norms of all from one stack of q x q Grams."""
+    projected = [geo.tangent_projection(W, A, d2, opts.backend) for W, A, geo, d2 in banks]
+    grams = [(A.mT @ A).reshape((-1,) + A.shape[-1:] * 2) for A in projected]
+    norms = top_eigenvalue(torch.cat(grams), opts.norm_iters).sqrt().clamp_min(1e-30)
+    return [A / n.reshape(A.shape[:-2] + (1, 1)) for A, n in zip(projected, torch.split(norms, [len(g) for g in grams]))]
 
 
 def dual_ascent(W, G, geo, correction, opts):
@@ -284,15 +292,19 @@ def admm_in_span(problems, opts):
             stacked_ids, stacked.split(B), stacked.split(correction_new), stacked.split(residual))]
         precise = ([True] * len(lifted) if sync_free
                    else torch.stack([ok.all() for _, _, ok, _, _ in lifted]).tolist())
+        done = []  # (i, X, correction, residual, fallbacks) of the banks whose span answer stands
         for (i, X, ok, c, r), all_ok in zip(lifted, precise):
             W, G, geo, _ = problems[i]
-            d2, fallbacks = spans[i].d2, 0
             if sync_free:
-                X = masked_update(ok, geo.tangent_projection(W, G, d2, opts.backend), X)
-                c, fallbacks = masked_update(ok, torch.zeros_like(c), c), (~ok).sum()
-            elif not all_ok:
-                continue
-            solutions[i] = Solution(finalize(W, X, geo, d2, opts), c, r, iterations, fallbacks)
+                X = masked_update(ok, geo.tangent_projection(W, G, spans[i].d2, opts.backend), X)
+                done.append((i, X, masked_update(ok, torch.zeros_like(c), c), r, (~ok).sum()))
+            elif all_ok:
+                done.append((i, X, c, r, 0))
+        if done:
+            directions = finalize_banks([(problems[i][0], X, problems[i][2], spans[i].d2)
+                                         for i, X, *_ in done], opts)
+            for (i, _, c, r, fallbacks), A in zip(done, directions):
+                solutions[i] = Solution(A, c, r, iterations, fallbacks)
     for i, solution in enumerate(solutions):
         if solution is None:
             W, G, geo, correction = problems[i]
@@ -339,7 +351,8 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
         Z_new = spectral_clip(relaxed + U, opts)
         U_new = U + relaxed - Z_new
         # primal residual ||B - Z|| and dual residual ||Z - Z_prev||, relative to ||B||
-        change = torch.maximum(rms(B - Z_new), rms(Z_new - Z)) / rms(B).clamp_min(1e-30)
+        # (Frobenius norms of same-size matrices: their ratio is the ratio of the rms)
+        change = torch.maximum(frobenius(B - Z_new), frobenius(Z_new - Z)) / frobenius(B).clamp_min(1e-30)
         Z = masked_update(active, Z, Z_new)
         U = masked_update(active, U, U_new)
         active = active & (change > opts.tol)

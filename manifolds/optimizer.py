@@ -68,6 +68,11 @@ class Piece:
     def weight(self):
         return self.param[self.lo:self.hi]
 
+    @property
+    def wide(self):
+        """Fewer rows than columns: solved transposed (the tall orientation)."""
+        return self.hi - self.lo < self.param.size(1)
+
 
 def solver_options(group):
     return SolverOptions(**{k: group.get(k, v) for k, v in SOLVER_DEFAULTS.items()})
@@ -180,12 +185,14 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     def banks(self):
         """(key, [pieces]) for each set of pieces solved together, in a fixed order: same
-        manifold, shape and solver options (their groups may differ in lr and weight decay)."""
+        manifold, tall shape (a p x q and a q x p matrix are one bank: mlp.c_fc and mlp.c_proj)
+        and solver options (their groups may differ in lr and weight decay)."""
         by_key = OrderedDict()
         for piece in self.pieces():
             options = tuple((k, v) for k, v in sorted(piece.group.items())
                             if k not in ("params", "name", "blocks", "manifold", "initial_lr") + PER_MATRIX)
-            key = (piece.manifold, piece.hi - piece.lo, piece.param.size(1), options)
+            rows, cols = piece.hi - piece.lo, piece.param.size(1)
+            key = (piece.manifold, max(rows, cols), min(rows, cols), options)
             by_key.setdefault(key, []).append(piece)
         yield from by_key.items()
 
@@ -230,7 +237,6 @@ class ManifoldMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.last_stats = {}
-        momenta = {}  # id(param) -> the Nesterov momentum G of a parameter this rank steps
         owners = self.owners() if self.world_size > 1 else None
         active = []  # (name, pieces) of the banks stepped
         work = OrderedDict()  # solver options -> [(name, this rank's pieces of the bank)]
@@ -244,6 +250,7 @@ class ManifoldMuon(torch.optim.Optimizer):
             mine = pieces if self.world_size == 1 else [piece for piece in pieces if owners[piece.key] == self.rank]
             if mine:
                 work.setdefault(key[-1], []).append((len(active), name, mine))
+        momenta = self._momenta([piece for banks in work.values() for _, _, pieces in banks for piece in pieces])
         # banks of the same solver options are solved together (the tall ADMM ones as one batch);
         # `computed` stays in bank order, the order the exchange packs
         computed = sorted((index, done) for banks in work.values()
@@ -264,10 +271,8 @@ class ManifoldMuon(torch.optim.Optimizer):
         width = self._exchange_width(layout, len(banks))
         device = banks[0][1][0].param.device
         send = torch.zeros(width, dtype=torch.float32, device=device)
-        offset = 0
-        for _, new_W in computed:
-            send[offset:offset + new_W.numel()] = new_W.reshape(-1)
-            offset += new_W.numel()
+        flat = torch.cat([w.reshape(-1) for _, new_W in computed for w in new_W]) if computed else send[:0]
+        send[:flat.numel()] = flat
         names = [name for name, _ in banks]
         stats = send[width - 2 * len(banks):].view(len(banks), 2)
         stats.fill_(-float("inf"))
@@ -297,21 +302,29 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     @staticmethod
     def _write(pieces, new_W):
-        for piece, w in zip(pieces, new_W):
-            piece.weight().copy_(w)
+        torch._foreach_copy_([piece.weight() for piece in pieces], new_W)
 
-    def _momentum(self, piece, momenta):
-        """Rows [lo, hi) of the parameter's momentum G (updated once per step per parameter)."""
-        p, group = piece.param, piece.group
-        if id(p) not in momenta:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            buf = state["momentum_buffer"]
-            g = p.grad.float()
-            buf.mul_(group["momentum"]).add_(g)
-            momenta[id(p)] = g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf.clone()
-        return momenta[id(p)][piece.lo:piece.hi]
+    def _momenta(self, pieces):
+        """{id(param): G} for the parameters of these pieces, updated once per step, with one
+        foreach op per group setting for all of them (not three ops per parameter):
+        buf <- mu buf + g;  G = g + mu buf (Nesterov) or buf."""
+        by_setting = OrderedDict()
+        for piece in pieces:
+            group = piece.group
+            by_setting.setdefault((group["momentum"], group["nesterov"]), OrderedDict())[id(piece.param)] = piece.param
+        momenta = {}
+        for (mu, nesterov), params in by_setting.items():
+            params = list(params.values())
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            grads = [p.grad.float() for p in params]
+            torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, grads)
+            G = torch._foreach_add(grads, bufs, alpha=mu) if nesterov else torch._foreach_mul(bufs, 1.0)
+            momenta.update((id(p), g) for p, g in zip(params, G))
+        return momenta
 
     def _step_banks(self, banks, momenta):
         """[(pieces, new weights stacked in their orientation)] for banks [(name, pieces)] of the
@@ -325,16 +338,15 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     def _bank_inputs(self, pieces, momenta):
         """(W, G, warm start) of same-shape pieces, stacked, on the tall orientation."""
-        G = torch.stack([self._momentum(piece, momenta) for piece in pieces])
-        W = torch.stack([piece.weight().float() for piece in pieces])
-        if W.size(-2) < W.size(-1):  # work on the tall orientation: constraints act on the small Gram matrix
-            W, G = W.mT, G.mT
+        # the tall orientation: constraints act on the small Gram matrix
+        tall = lambda X, piece: X.mT if piece.wide else X  # noqa: E731
+        G = torch.stack([tall(momenta[id(piece.param)][piece.lo:piece.hi], piece) for piece in pieces])
+        W = torch.stack([tall(piece.weight().float(), piece) for piece in pieces])
         warm = [self.state[piece.param].get(piece.dual_key) for piece in pieces]
         return W, G, torch.stack(warm) if all(w is not None for w in warm) else None
 
     def _finish_bank(self, pieces, name, W, solution, opts):
-        """The pieces' new weights (original orientation) from their solution; keeps the warm start."""
-        wide = pieces[0].hi - pieces[0].lo < pieces[0].param.size(1)
+        """[new weight of each piece] (its own orientation) from their solution; keeps the warm start."""
         manifold = pieces[0].manifold
         eta = W.new_tensor([piece.group["lr"] for piece in pieces])[:, None, None]
         if manifold == "none":
@@ -349,7 +361,7 @@ class ManifoldMuon(torch.optim.Optimizer):
                     self.state[piece.param][piece.dual_key] = solution.state[i]
         # tensors, not floats: reading them would sync the device every bank
         self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max()}
-        return new_W.mT if wide else new_W
+        return [w.mT if piece.wide else w for piece, w in zip(pieces, new_W.unbind(0))]
 
     def stats(self):
         """{bank: {"iterations": int, "residual": float}} of the last step: the largest over the

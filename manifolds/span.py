@@ -60,10 +60,7 @@ class SpanReduction:
         self.W = torch.cat([torch.diag_embed(self.d), torch.zeros_like(self.R12)], dim=-2)
         self.G = torch.cat([self.R12, self.R22], dim=-2) / self.G_scale
         # ||K||_op from a few plain power steps (O(q^2) each), for `lift`'s precision test
-        v = torch.ones(K.shape[:-1] + (1,), dtype=K.dtype, device=K.device)
-        for _ in range(8):
-            v = K @ v
-            v = v / v.norm(dim=-2, keepdim=True).clamp_min(1e-30)
+        v = power_steps(K, torch.ones(K.shape[:-1] + (1,), dtype=K.dtype, device=K.device), 8, every=2)
         self.K_norm = (v * (K @ v)).sum(dim=(-2, -1))
 
     def project(self, Y):
@@ -136,7 +133,17 @@ def top_eigenvalue(S, iters):
         power = power @ power
     v = torch.ones(S.shape[:-1] + (1,), dtype=S.dtype, device=S.device)
     v[..., 0, :] = 2.0  # break symmetry with an all-ones vector that might be degenerate
-    for _ in range(iters):
-        v = power @ v
-        v = v / v.norm(dim=-2, keepdim=True).clamp_min(1e-30)
+    v = power_steps(power, v, iters, every=4)
     return (v * (S @ v)).sum(dim=(-2, -1)).clamp_min(0)
+
+
+def power_steps(M, v, steps, every):
+    """`steps` power steps v <- M v (..., n, 1), v normalised after every `every` of them and
+    at the end: fewer launches, and v grows by at most ||M||^every in between (top_eigenvalue's
+    M has ||M||_F = 1; K of span[W, G] has trace 2q for unit columns: far from fp32's range; an
+    overflow would make `lift` report the matrix imprecise, not pass silently)."""
+    for k in range(steps):
+        v = M @ v
+        if (k + 1) % every == 0 or k == steps - 1:
+            v = v / v.norm(dim=-2, keepdim=True).clamp_min(1e-30)
+    return v
