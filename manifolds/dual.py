@@ -42,7 +42,7 @@ import torch
 
 import kernels
 from manifolds.geometry import geometry
-from manifolds.span import SpanReduction, StackedSpans, top_eigenvalue
+from manifolds.span import StackedSpans, top_eigenvalue
 
 
 @dataclass
@@ -277,38 +277,41 @@ def admm_in_span(problems, opts):
     if len({correction is None for *_, correction in problems}) > 1:
         raise ValueError("admm_in_span takes banks that are all warm-started or all cold")
     sync_free = capturable(opts, problems[0][0])
-    spans = [SpanReduction(W, G, geo, geo.squared_norms(W)) for W, G, geo, _ in problems]
-    # one host sync for all the banks (none when capturable: an invalid span is caught by lift)
-    valid = [True] * len(spans) if sync_free else torch.stack([span.valid.all() for span in spans]).tolist()
+    d2s = [geo.squared_norms(W) for W, _, geo, _ in problems]
+    stack = lambda ids: StackedSpans([problems[i][:3] + (d2s[i],) for i in ids])  # noqa: E731
+    stacked_ids = list(range(len(problems)))
+    spans = stack(stacked_ids)
+    if not sync_free:  # one host sync for all: a bank whose span has no Cholesky factor is solved in full
+        valid = torch.stack([ok.all() for ok in spans.split(spans.valid)]).tolist()
+        if not all(valid):
+            stacked_ids = [i for i in stacked_ids if valid[i]]
+            spans = stack(stacked_ids) if stacked_ids else None
     solutions = [None] * len(problems)
-    stacked_ids = [i for i, ok in enumerate(valid) if ok]
     if stacked_ids:
-        stacked = StackedSpans([spans[i] for i in stacked_ids])
         corrections = [problems[i][3] for i in stacked_ids]
         correction = None if corrections[0] is None else torch.cat(corrections)
-        B, correction_new, residual, iterations = admm_iterations(stacked.W, stacked.G, stacked.geo, correction,
-                                                                  opts, stacked.d2, stacked.project)
-        lifted = [(i, *spans[i].lift(b), c, r) for i, b, c, r in zip(
-            stacked_ids, stacked.split(B), stacked.split(correction_new), stacked.split(residual))]
+        B, correction_new, residual, iterations = admm_iterations(spans.W, spans.G, spans.geo, correction,
+                                                                  opts, spans.d2, spans.project)
+        lifted = [(i, X, ok, c, r) for i, (X, ok), c, r in zip(
+            stacked_ids, spans.lift(B), spans.split(correction_new), spans.split(residual))]
         precise = ([True] * len(lifted) if sync_free
                    else torch.stack([ok.all() for _, _, ok, _, _ in lifted]).tolist())
         done = []  # (i, X, correction, residual, fallbacks) of the banks whose span answer stands
         for (i, X, ok, c, r), all_ok in zip(lifted, precise):
             W, G, geo, _ = problems[i]
             if sync_free:
-                X = masked_update(ok, geo.tangent_projection(W, G, spans[i].d2, opts.backend), X)
+                X = masked_update(ok, geo.tangent_projection(W, G, d2s[i], opts.backend), X)
                 done.append((i, X, masked_update(ok, torch.zeros_like(c), c), r, (~ok).sum()))
             elif all_ok:
                 done.append((i, X, c, r, 0))
         if done:
-            directions = finalize_banks([(problems[i][0], X, problems[i][2], spans[i].d2)
-                                         for i, X, *_ in done], opts)
+            directions = finalize_banks([(problems[i][0], X, problems[i][2], d2s[i]) for i, X, *_ in done], opts)
             for (i, _, c, r, fallbacks), A in zip(done, directions):
                 solutions[i] = Solution(A, c, r, iterations, fallbacks)
     for i, solution in enumerate(solutions):
         if solution is None:
             W, G, geo, correction = problems[i]
-            solutions[i] = admm_full(W, G, geo, correction, opts, spans[i].d2)
+            solutions[i] = admm_full(W, G, geo, correction, opts, d2s[i])
     return solutions
 
 

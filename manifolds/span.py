@@ -22,8 +22,9 @@ such a bank on the full matrices instead (seen in training: an attention matrix 
 import torch
 
 
-class SpanReduction:
-    """The 2q x q problem (W', G') equivalent to a tall bank (W, G: (..., p, q)), W on its manifold.
+class StackedSpans:
+    """The 2q x q problems (W', G') equivalent to tall banks (W, G: (n_i, p_i, q)) of one q,
+    each W on its manifold, stacked into one batch of sum(n_i) problems.
 
     On the manifold W^T W = D^2 is diagonal (Stiefel: D = I), so the Cholesky factor of K
     starts with R_W = [D; 0]: W' = [D; 0] and the tangent operations at W' are elementwise
@@ -31,25 +32,30 @@ class SpanReduction:
 
         R_12 = D^-1 W^T G,   R_22^T R_22 = G^T G - R_12^T R_12   (q x q)
 
+    Only K = V^T V (and the final lift V c) touch the p_i rows, bank by bank; everything else
+    is 2q x q whatever p_i, and Stiefel and DGram problems differ only in the Gram projector's
+    diagonal (geometry.MaskedGram) and in d2: one batch, each product one launch for all.
     Off the manifold by rounding (W^T W = D^2 + O(eps)) the reduced problem differs from the
     original by as much, which the exact final projection (dual.finalize) absorbs.
     `valid` is False for matrices whose Schur complement has no Cholesky factor in this
     precision (G nearly inside span[W]).
     """
 
-    def __init__(self, W, G, geo, d2):
-        """d2: the metric's squared column norms of W (geo.squared_norms; Stiefel: 1)."""
-        q = W.size(-1)
-        self.geo = geo
+    def __init__(self, banks):
+        """banks: [(W, G, geo, d2)], d2 the metric's squared column norms of W (geo.squared_norms;
+        Stiefel: 1)."""
+        from manifolds.geometry import MaskedGram
+        q = banks[0][0].size(-1)
+        self.sizes = [W.size(0) for W, *_ in banks]
         # G scaled to columns of unit mean norm, like W's: K then measures the conditioning
         # of V, not G's scale. The reduced G is scaled back (the solution does not depend on
         # G's scale, a warm-start multiplier does).
-        self.G_scale = q ** 0.5 / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
-        self.V = torch.cat([W, G * self.G_scale], dim=-1)
-        K = self.V.mT @ self.V
+        scales = [q ** 0.5 / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30) for _, G, _, _ in banks]
+        self.V = [torch.cat([W, G * scale], dim=-1) for (W, G, _, _), scale in zip(banks, scales)]
+        K = torch.cat([V.mT @ V for V in self.V])
         K = 0.5 * (K + K.mT)
         self.d = torch.diagonal(K[..., :q, :q], dim1=-2, dim2=-1).clamp_min(1e-30).sqrt()
-        self.d2 = d2  # Stiefel: 1, which d^2 is up to rounding
+        self.d2 = torch.cat([d2 for *_, d2 in banks])  # Stiefel: 1, which d^2 is up to rounding
         self.pair = self.d2.unsqueeze(-1) + self.d2.unsqueeze(-2)
         self.R12 = K[..., :q, q:] / self.d.unsqueeze(-1)
         schur = K[..., q:, q:] - self.R12.mT @ self.R12
@@ -58,66 +64,50 @@ class SpanReduction:
         eye = torch.eye(q, dtype=K.dtype, device=K.device)
         self.R22 = torch.where(self.valid[..., None, None], L.mT, eye)
         self.W = torch.cat([torch.diag_embed(self.d), torch.zeros_like(self.R12)], dim=-2)
-        self.G = torch.cat([self.R12, self.R22], dim=-2) / self.G_scale
+        self.G = torch.cat([self.R12, self.R22], dim=-2) / torch.cat(scales)
         # ||K||_op from a few plain power steps (O(q^2) each), for `lift`'s precision test
         v = power_steps(K, torch.ones(K.shape[:-1] + (1,), dtype=K.dtype, device=K.device), 8, every=2)
         self.K_norm = (v * (K @ v)).sum(dim=(-2, -1))
+        geos = [geo for _, _, geo, _ in banks]
+        if len({type(geo) for geo in geos}) == 1 and all(getattr(geo, "pinned", None) is None for geo in geos):
+            self.geo = geos[0]  # one manifold: its own projector, no mask
+        else:
+            self.geo = MaskedGram(torch.cat([geo.keeps_diagonal(W) for (W, _, geo, _) in banks]))
 
     def project(self, Y):
-        return project_at_diagonal(Y, self.d, self.pair, self.geo)
+        """Euclidean projection onto the tangent space at W' = [D; 0]: Y - W' M with
+        M = P(D y + y^T D) / (d_i^2 + d_j^2), y the top q rows of Y. O(q^2)."""
+        q = self.d.size(-1)
+        top = Y[..., :q, :]
+        Dy = self.d.unsqueeze(-1) * top
+        M = self.geo.gram_projector(Dy + Dy.mT) / self.pair
+        return torch.cat([top - self.d.unsqueeze(-1) * M, Y[..., q:, :]], dim=-2)
+
+    def split(self, X):
+        return torch.split(X, self.sizes)
 
     def lift(self, x):
-        """(X = V c with R c = x, precise): the full p x q matrix of coordinates x, and
-        whether it is accurate to about three digits (per matrix)."""
+        """[(X = V c with R c = x, precise)] bank by bank: the full p_i x q matrices of the
+        coordinates x, and whether each is accurate to about three digits (per matrix)."""
         q = self.d.size(-1)
         c_G = torch.linalg.solve_triangular(self.R22, x[..., q:, :], upper=True)
         c_W = (x[..., :q, :] - self.R12 @ c_G) / self.d.unsqueeze(-1)
         c = torch.cat([c_W, c_G], dim=-2)
-        X = self.V @ c
         eps = torch.finfo(c.dtype).eps
         growth = c.square().sum(dim=(-2, -1)) * self.K_norm / x.square().sum(dim=(-2, -1)).clamp_min(1e-30)
-        return X, self.valid & torch.isfinite(growth) & (growth * eps <= 1e-3)
+        precise = self.valid & torch.isfinite(growth) & (growth * eps <= 1e-3)
+        return [(V @ c_i, ok) for V, c_i, ok in zip(self.V, self.split(c), self.split(precise))]
 
 
-def project_at_diagonal(Y, d, pair, geo):
-    """Euclidean projection onto the tangent space at W' = [D; 0]: Y - W' M with
-    M = P(D y + y^T D) / (d_i^2 + d_j^2), y the top q rows of Y. O(q^2)."""
-    q = d.size(-1)
-    top = Y[..., :q, :]
-    Dy = d.unsqueeze(-1) * top
-    M = geo.gram_projector(Dy + Dy.mT) / pair
-    return torch.cat([top - d.unsqueeze(-1) * M, Y[..., q:, :]], dim=-2)
+class SpanReduction(StackedSpans):
+    """The span reduction of one bank (W, G: (n, p, q))."""
 
+    def __init__(self, W, G, geo, d2):
+        super().__init__([(W, G, geo, d2)])
 
-class StackedSpans:
-    """Span reductions of several banks with the same column count q, as one batch.
-
-    In span coordinates every tall problem is 2q x q whatever its row count, and Stiefel and
-    DGram problems differ only in the Gram projector's diagonal (geometry.MaskedGram) and in
-    d2: one batched ADMM then solves all of them, each product one launch for the whole set.
-    Banks are (n_i, 2q, q) and stack along the first dimension; `split` undoes it.
-    """
-
-    def __init__(self, spans):
-        from manifolds.geometry import MaskedGram
-        self.spans = spans
-        self.sizes = [span.W.size(0) for span in spans]
-        self.W = torch.cat([span.W for span in spans])
-        self.G = torch.cat([span.G for span in spans])
-        self.d = torch.cat([span.d for span in spans])
-        self.d2 = torch.cat([span.d2 for span in spans])
-        self.pair = torch.cat([span.pair for span in spans])
-        uniform = {(type(span.geo), getattr(span.geo, "pinned", None) is None) for span in spans}
-        if len(uniform) == 1 and next(iter(uniform))[1]:
-            self.geo = spans[0].geo  # one manifold: its own projector, no mask
-        else:
-            self.geo = MaskedGram(torch.cat([span.geo.keeps_diagonal(span.W) for span in spans]))
-
-    def project(self, Y):
-        return project_at_diagonal(Y, self.d, self.pair, self.geo)
-
-    def split(self, X):
-        return torch.split(X, self.sizes)
+    def lift(self, x):
+        """(X, precise) of the bank (StackedSpans.lift)."""
+        return super().lift(x)[0]
 
 
 def top_eigenvalue(S, iters):
