@@ -67,6 +67,8 @@ class SolverOptions:
     clip: str = "auto"          # ADMM's polar factor and spectral clip: "eigh" (eigendecomposition of
                                 # the q x q Gram), "polynomial" (Polar Express through `kernels`), or
                                 # "auto": eigh on CPU tensors, polynomial on GPUs and under "triton"
+    precision: str = "fp32"     # ADMM's inner iterations in span coordinates: "fp32" or "bf16" (tensor
+                                # cores; reduction, lift, final projection and retraction stay fp32)
     capturable: object = "auto"  # True: no host syncs (fixed budgets, decisions on the device; see the
                                  # module docstring); False: early exits; "auto": True on CUDA tensors
 
@@ -142,8 +144,9 @@ def use_eigh(opts, Y):
 def gram_function(Y, f):
     """Y Q f(lam) Q^T for Y^T Y = Q diag(lam) Q^T: a function of Y's singular values s =
     lam^(1/2) applied on the right (f(lam) = lam^(-1/2): the polar factor)."""
-    lam, Q = torch.linalg.eigh(Y.mT @ Y)
-    return Y @ ((Q * f(lam.clamp_min(1e-30)).unsqueeze(-2)) @ Q.mT)
+    Y32 = Y.float()  # eigh has no bf16; its q x q work is small next to the products
+    lam, Q = torch.linalg.eigh(Y32.mT @ Y32)
+    return (Y32 @ ((Q * f(lam.clamp_min(1e-30)).unsqueeze(-2)) @ Q.mT)).to(Y.dtype)
 
 
 def polar(Y, opts):
@@ -290,8 +293,7 @@ def admm_in_span(problems, opts):
     if stacked_ids:
         corrections = [problems[i][3] for i in stacked_ids]
         correction = None if corrections[0] is None else torch.cat(corrections)
-        B, correction_new, residual, iterations = admm_iterations(spans.W, spans.G, spans.geo, correction,
-                                                                  opts, spans.d2, spans.project)
+        B, correction_new, residual, iterations = span_iterations(spans, correction, opts)
         lifted = [(i, X, ok, c, r) for i, (X, ok), c, r in zip(
             stacked_ids, spans.lift(B), spans.split(correction_new), spans.split(residual))]
         precise = ([True] * len(lifted) if sync_free
@@ -313,6 +315,35 @@ def admm_in_span(problems, opts):
             W, G, geo, correction = problems[i]
             solutions[i] = admm_full(W, G, geo, correction, opts, d2s[i])
     return solutions
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def iteration_dtype(opts, W):
+    """The dtype of ADMM's inner iterations (SolverOptions.precision)."""
+    if opts.precision not in PRECISIONS:
+        raise ValueError(f"unknown solver precision {opts.precision!r}; valid: {', '.join(PRECISIONS)}")
+    return torch.bfloat16 if opts.precision == "bf16" else W.dtype
+
+
+def span_iterations(spans, correction, opts):
+    """admm_iterations on the stacked span problems, in `opts.precision`.
+
+    bf16: the iterations' products run on tensor cores (fp32 accumulation in the Triton
+    kernels), ~6x the 3xTF32 rate; the span reduction before, the lift, the exact tangent
+    projection, the renormalisation and the retraction after stay fp32, so the answer is
+    feasible to fp32 accuracy whatever the iterations' rounding (it costs direction quality,
+    measured in bench/RESULTS.md). The elementwise span projection runs in fp32.
+    """
+    low = iteration_dtype(opts, spans.W)
+    if low == spans.W.dtype:
+        return admm_iterations(spans.W, spans.G, spans.geo, correction, opts, spans.d2, spans.project)
+    project = lambda Y: spans.project(Y.float()).to(low)  # noqa: E731
+    B, correction, residual, iterations = admm_iterations(
+        spans.W.to(low), spans.G.to(low), spans.geo, None if correction is None else correction.to(low),
+        opts, spans.d2.to(low), project)
+    return B.float(), correction.float(), residual.float(), iterations
 
 
 def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):

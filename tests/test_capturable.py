@@ -106,3 +106,29 @@ def test_capturable_rejects_a_non_boolean():
     W, G = random_point((32, 16), "stiefel", seed=0)
     with pytest.raises(ValueError, match="capturable must be"):
         steepest_direction(W, G, "stiefel", capturable="yes")
+
+
+def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_800_ops_and_sync_free():
+    # the trainer's groups for 12 HETERO layers at GPT-2's aspect ratios (width 64 instead of
+    # 768: the op count does not depend on the width); the torch path, as the profiler sees it
+    import train_gpt2
+    from bench.op_count import OpCounter
+    args = train_gpt2.parse_args(["--assign", "hetero", "--n-layer", "12", "--n-embd", "64", "--n-head", "4",
+                                  "--seq-len", "64"])
+    train_gpt2.validate_args(args)
+    torch.manual_seed(0)
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(12, 4, 64, 64, 512))
+    muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
+    for group in muon.param_groups:
+        group["capturable"] = True
+    params = [p for group in muon.param_groups for p in group["params"]]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):  # the first step creates the states and warm starts
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        counter = OpCounter()
+        with counter:
+            muon.step()
+    kernels, syncs = sum(counter.kernels.values()), sum(counter.syncs.values())
+    assert syncs == 0
+    assert kernels <= 800, counter.kernels.most_common(10)  # 791 here; 2,137 before the stacked banks

@@ -66,3 +66,17 @@ def test_masked_gram_is_stiefel_or_dgram_per_matrix():
     pinned = torch.rand(2, 16) > 0.5
     S = torch.randn(2, 16, 16)
     torch.testing.assert_close(DGramCap(1.0, pinned).gram_projector(S), MaskedGram(pinned).gram_projector(S))
+
+
+def test_bf16_iterations_end_in_an_fp32_feasible_direction():
+    # only the inner iterations are bf16: the lift, projection and renormalisation are fp32
+    for manifold in ("stiefel", "dgram"):
+        W, G = random_point((96, 32), manifold, seed=4)
+        A = solve_tall(W[None], G[None], manifold, None, SolverOptions(precision="bf16")).A[0]
+        assert A.dtype == torch.float32
+        assert geometry(manifold).tangent_residual(W.double(), A.double()).abs().max() <= 1e-5
+        assert abs(torch.linalg.matrix_norm(A.double(), 2) - 1) <= 1e-3
+        exact = solve_tall(W[None], G[None], manifold, None, SolverOptions()).A[0]
+        assert (A * exact).sum() / (exact * exact).sum() > 0.9  # bf16 rounding, not another answer
+    with pytest.raises(ValueError, match="unknown solver precision"):
+        solve_tall(W[None], G[None], "dgram", None, SolverOptions(precision="fp8"))
