@@ -123,6 +123,12 @@ def parse_args(argv=None):
     t.add_argument("--clip", choices=("auto", "eigh", "polynomial"), default="auto",
                    help="ADMM's polar factor and spectral clip: eigendecomposition of the q x q Gram, or "
                         "Polar Express kernels; auto = eigh on CPU, polynomial on GPU")
+    t.add_argument("--capturable", choices=("auto", "on", "off"), default="auto",
+                   help="sync-free optimizer step: fixed iteration budgets and every decision on the device "
+                        "(no host syncs; the iterations an early exit would save are run); auto = on on GPU")
+    t.add_argument("--solver-precision", choices=("fp32", "bf16"), default="fp32",
+                   help="ADMM's inner iterations in fp32 or bf16 (tensor cores; the final projection and "
+                        "retraction stay fp32; bf16 costs direction quality, see bench/RESULTS.md)")
     t.add_argument("--solver", choices=("auto", "dual", "admm"), default="auto",
                    help="steepest-direction solver; auto picks by shape and manifold")
     t.add_argument("--kernels", choices=KERNEL_BACKENDS, default="auto",
@@ -568,7 +574,8 @@ def build_optimizers(model, args, device, auto=None):
     muon = ManifoldMuon(groups, lr=args.muon_lr, momentum=args.momentum, nesterov=True,
                         weight_decay=args.weight_decay, solver=args.solver, dual_steps=args.dual_steps,
                         admm_steps=args.admm_steps, backend=args.kernels, dgram_cap=args.dgram_cap,
-                        clip=args.clip)
+                        clip=args.clip, precision=args.solver_precision,
+                        capturable={"auto": "auto", "on": True, "off": False}[args.capturable])
     rest = [p for p in model.parameters() if id(p) not in muon_ids]
     adamw_groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
                     {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]

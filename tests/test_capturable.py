@@ -132,3 +132,16 @@ def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_800_ops_and_sync_
     kernels, syncs = sum(counter.kernels.values()), sum(counter.syncs.values())
     assert syncs == 0
     assert kernels <= 800, counter.kernels.most_common(10)  # 791 here; 2,137 before the stacked banks
+
+
+def test_trainer_flags_reach_the_solver():
+    import train_gpt2
+    from manifolds.optimizer import solver_options
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 16, 64))
+    for flags, capturable, precision in [([], "auto", "fp32"), (["--capturable", "on", "--solver-precision", "bf16"],
+                                                                 True, "bf16"), (["--capturable", "off"], False, "fp32")]:
+        args = train_gpt2.parse_args(["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"] + flags)
+        train_gpt2.validate_args(args)
+        muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
+        opts = solver_options(muon.param_groups[0])
+        assert (opts.capturable, opts.precision) == (capturable, precision)
