@@ -3,6 +3,8 @@
 # budget against the paper's 20 iterations, on a tiny GPT-2 (2 layers, width 64) trained for
 # 300 steps on the bundled books (../shared/corpus), hetero and all-stiefel, two seeds, on CPU.
 #   bash bench/solver_guard.sh          (SEEDS, CORPUS, OUT, VENV override the defaults)
+#   SETTINGS="default iters20 warm1 warm2 warm3" ASSIGNS=hetero bash bench/solver_guard.sh
+#     (warmN: N warm-started ADMM iterations, issue 15's lever 5)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS:-"1 2"}
@@ -14,10 +16,14 @@ if [ ! -f "$OUT/data/prepare_progress.json" ]; then
     $PY bench/split_text.py "$CORPUS"/*.txt --out "$OUT/books.jsonl"
     $PY data/prepare.py --files "$OUT/books.jsonl" --out-dir "$OUT/data" --val-fraction 0.1 --num-proc 1
 fi
-declare -A SOLVER=([default]="" [iters20]="--admm-steps 20 --dual-steps 20")
-for setting in default iters20; do
+declare -A SOLVER=([default]="" [iters20]="--admm-steps 20 --dual-steps 20"
+                   [warm1]="--admm-steps 1" [warm2]="--admm-steps 2" [warm3]="--admm-steps 3")
+SETTINGS=${SETTINGS:-"default iters20"}
+ASSIGNS=${ASSIGNS:-"hetero all-stiefel"}
+for setting in $SETTINGS; do
+    [ -n "${SOLVER[$setting]+set}" ] || { echo "error: unknown setting $setting; valid: ${!SOLVER[*]}" >&2; exit 2; }
     for seed in $SEEDS; do
-        for assign in hetero all-stiefel; do
+        for assign in $ASSIGNS; do
             dir="$OUT/$setting/seed$seed/$assign"
             [ -f "$dir/summary.json" ] && continue
             # shellcheck disable=SC2086

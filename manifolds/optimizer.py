@@ -74,6 +74,18 @@ class Piece:
         return self.hi - self.lo < self.param.size(1)
 
 
+def per_matrix(W, values):
+    """A group option of each matrix of a bank, as a factor of W (n, p, q): a Python number when
+    they are all equal (the usual case; no host-to-device copy), else an (n, 1, 1) tensor copied
+    from pinned memory without blocking (a pageable copy would wait for the device)."""
+    if len(set(values)) == 1:
+        return values[0]
+    host = torch.tensor(values, dtype=W.dtype)
+    if W.device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(W.device, non_blocking=True)[:, None, None]
+
+
 def solver_options(group):
     return SolverOptions(**{k: group.get(k, v) for k, v in SOLVER_DEFAULTS.items()})
 
@@ -348,9 +360,9 @@ class ManifoldMuon(torch.optim.Optimizer):
     def _finish_bank(self, pieces, name, W, solution, opts):
         """[new weight of each piece] (its own orientation) from their solution; keeps the warm start."""
         manifold = pieces[0].manifold
-        eta = W.new_tensor([piece.group["lr"] for piece in pieces])[:, None, None]
+        eta = per_matrix(W, [piece.group["lr"] for piece in pieces])
         if manifold == "none":
-            decay = W.new_tensor([piece.group["weight_decay"] for piece in pieces])[:, None, None]
+            decay = per_matrix(W, [piece.group["weight_decay"] for piece in pieces])
             new_W = W * (1 - eta * decay) - eta * solution.A
         else:
             new_W = geometry(manifold, opts.dgram_cap).retract(W - eta * solution.A, near=True, backend=opts.backend)
