@@ -75,6 +75,7 @@ def parse_args(argv=None):
     ap.add_argument("--world-size", type=int, nargs="+", default=[1, 8], help="world sizes to count")
     ap.add_argument("--clip", default="polynomial", choices=("auto", "eigh", "polynomial"),
                     help="ADMM's clip; polynomial is what a GPU runs (auto = eigh on this CPU)")
+    ap.add_argument("--admm-steps", type=int, default=None, help="train_gpt2's --admm-steps (default: its default)")
     ap.add_argument("--capturable", action="store_true",
                     help="pass capturable=True to ManifoldMuon (if its SolverOptions has that field)")
     ap.add_argument("--tf32", action="store_true",
@@ -127,7 +128,8 @@ def trainer_args(args):
     targs = train_gpt2.parse_args(["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
                                    "--n-head", str(n_head), "--seq-len", str(args.seq_len),
                                    "--assign", args.assign, "--clip", args.clip, "--kernels", "torch",
-                                   "--device", "cpu", "--dtype", "float32"])
+                                   "--device", "cpu", "--dtype", "float32"]
+                                  + ([] if args.admm_steps is None else ["--admm-steps", str(args.admm_steps)]))
     train_gpt2.validate_args(targs, world_size=1)
     return targs
 

@@ -3,8 +3,8 @@
 # budget against the paper's 20 iterations, on a tiny GPT-2 (2 layers, width 64) trained for
 # 300 steps on the bundled books (../shared/corpus), hetero and all-stiefel, two seeds, on CPU.
 #   bash bench/solver_guard.sh          (SEEDS, CORPUS, OUT, VENV override the defaults)
-#   SETTINGS="default iters20 warm1 warm2 warm3" ASSIGNS=hetero bash bench/solver_guard.sh
-#     (warmN: N warm-started ADMM iterations, issue 15's lever 5)
+#   SETTINGS="default iters20 warm2 warm4" ASSIGNS=hetero bash bench/solver_guard.sh
+#     (warmN: N warm-started ADMM iterations, issue 15 lever 5)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS:-"1 2"}
@@ -17,7 +17,7 @@ if [ ! -f "$OUT/data/prepare_progress.json" ]; then
     $PY data/prepare.py --files "$OUT/books.jsonl" --out-dir "$OUT/data" --val-fraction 0.1 --num-proc 1
 fi
 declare -A SOLVER=([default]="" [iters20]="--admm-steps 20 --dual-steps 20"
-                   [warm1]="--admm-steps 1" [warm2]="--admm-steps 2" [warm3]="--admm-steps 3")
+                   [warm1]="--admm-steps 1" [warm2]="--admm-steps 2" [warm3]="--admm-steps 3" [warm4]="--admm-steps 4")
 SETTINGS=${SETTINGS:-"default iters20"}
 ASSIGNS=${ASSIGNS:-"hetero all-stiefel"}
 for setting in $SETTINGS; do

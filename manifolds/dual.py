@@ -20,8 +20,9 @@ normalised first (msign ignores scale, the dual problem does not).
   Gram on CPU, two Polar Express evaluations on GPU). It converges where the dual optimum
   is degenerate (the optimal A keeps singular values below 1: square DGram, near-square
   Stiefel) or ill-conditioned (spiky gradient spectra). Tall banks (rows >= 2 cols) run it as
-  the equivalent 2q x q problem in span[W, G] (span.py), and every step after the first
-  starts from the previous step's multiplier (`admm_iterations`).
+  the equivalent 2q x q problem in span[W, G] (span.py), all such banks of one q stacked into
+  one batch whatever their rows and manifold (`solve_tall_banks`, `admm_in_span`), and every
+  step after the first starts from the previous step's multiplier (`admm_iterations`).
 
 Convergence is tested on a per-matrix mask every `check_every` iterations: one host sync
 per check, not per iteration, and finished matrices stop changing.
@@ -30,7 +31,7 @@ per check, not per iteration, and finished matrices stop changing.
 CUDA tensors): no host syncs at all. Every loop runs its fixed budget (the mask still freezes
 finished matrices, so the result is the one an early exit would give: the extra iterations
 change nothing), square Stiefel takes the dual's exact first evaluation without checking it,
-the span reduction's precision fallback picks per matrix on the device (`admm`), and the
+the span reduction's precision fallback picks per matrix on the device (`admm_in_span`), and the
 dgram-cap active set runs all its rounds. What it costs: the iterations an early exit saves.
 
 Every matrix sign and Gram-space product runs through `kernels` with `opts.backend` (fused
