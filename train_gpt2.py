@@ -117,7 +117,7 @@ def parse_args(argv=None):
     t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
     t.add_argument("--dual-steps", type=int, default=8,
                    help="most multiplier updates of the dual-ascent solver (square Stiefel matrices)")
-    t.add_argument("--admm-steps", type=int, default=6,
+    t.add_argument("--admm-steps", type=int, default=4,
                    help="most iterations of the ADMM solver (all other constrained matrices) from the previous "
                         "step's warm start; twice that from a cold start and again for near-square matrices")
     t.add_argument("--clip", choices=("auto", "eigh", "polynomial"), default="auto",

@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import functools
 import os
 import subprocess
 import sys
@@ -129,7 +128,8 @@ def trainer_args(args):
                                    "--n-head", str(n_head), "--seq-len", str(args.seq_len),
                                    "--assign", args.assign, "--clip", args.clip, "--kernels", "torch",
                                    "--device", "cpu", "--dtype", "float32"]
-                                  + ([] if args.admm_steps is None else ["--admm-steps", str(args.admm_steps)]))
+                                  + ([] if args.admm_steps is None else ["--admm-steps", str(args.admm_steps)])
+                                  + (["--capturable", "on" if args.capturable else "off"]))
     train_gpt2.validate_args(targs, world_size=1)
     return targs
 
@@ -141,13 +141,7 @@ def build(args, fake):
     torch.manual_seed(args.seed)
     model = train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=targs.n_layer, n_head=targs.n_head, n_embd=targs.n_embd,
                                                 seq_len=targs.seq_len, vocab_size=targs.vocab_size))
-    muon_class = train_gpt2.ManifoldMuon
-    if args.capturable:  # as if the trainer passed it
-        train_gpt2.ManifoldMuon = functools.partial(muon_class, capturable=True)
-    try:
-        muon, _ = train_gpt2.build_optimizers(model, targs, torch.device("cpu"))
-    finally:
-        train_gpt2.ManifoldMuon = muon_class
+    muon, _ = train_gpt2.build_optimizers(model, targs, torch.device("cpu"))
     if args.fixed_iterations:
         for group in muon.param_groups:  # solver options are group options
             group["tol"] = 0.0

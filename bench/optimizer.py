@@ -84,10 +84,10 @@ def sync(device):
 
 # (name, cold, solver options): each row adds one lever to the row before; the last is the default
 LEVERS = (
-    ("ADMM on p x q, Polar Express clip, cold (12 iterations)", True, dict(reduce=False, clip="polynomial")),
+    ("ADMM on p x q, Polar Express clip, cold (2 x the warm budget)", True, dict(reduce=False, clip="polynomial")),
     ("+ tall banks as the 2q x q problem in span[W, G]", True, dict(clip="polynomial")),
     ("+ eigh clip", True, dict(clip="eigh")),
-    ("+ warm start from the last multiplier, 6 iterations", False, dict(clip="eigh")),
+    ("+ warm start from the last multiplier, the default budget (4)", False, dict(clip="eigh")),
 )
 
 

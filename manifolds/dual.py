@@ -50,8 +50,10 @@ from manifolds.span import StackedSpans, top_eigenvalue
 class SolverOptions:
     solver: str = "auto"        # "dual", "admm" or "auto" (by shape, see choose_solver)
     dual_steps: int = 8         # at most this many multiplier updates of dual ascent
-    admm_steps: int = 6         # at most this many ADMM iterations from a warm start; twice that
-                                # from a cold one, and twice again for rows < 2 cols
+    admm_steps: int = 4         # at most this many ADMM iterations from a warm start; twice that
+                                # from a cold one, and twice again for rows < 2 cols (4: direction
+                                # quality 0.993 / 0.998 at 768 x 256, training within seed spread of
+                                # 20 iterations; bench/RESULTS.md, issue 15)
     tol: float = 1e-4           # dual: stop when rms(P(W^T A + A^T W)) / mean column norm <= tol;
                                 # admm: when the relative primal and dual residuals are <= tol
     dual_lr: float = 1.0        # dual step, relative to the preconditioned Newton-like scale

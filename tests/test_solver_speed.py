@@ -89,14 +89,16 @@ def test_warm_start_from_the_optimal_multiplier_is_near_optimal_at_once(manifold
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
-def test_warm_started_defaults_reach_half_a_percent_of_the_optimum(manifold):
+def test_warm_started_defaults_reach_one_percent_of_the_optimum(manifold):
+    # the default warm budget (4 iterations, issue 15) is chosen for >= 0.99 of the optimum;
+    # here 0.9941 (DGram) and above; 6 iterations reached 0.995
     W, _ = random_point((128, 32), manifold, seed=5)
     state = None
     for G in momentum_sequence(W, seed=5):
         solution = solve_tall(W[None], G[None], manifold, state, SolverOptions())
         state = solution.state
     opt, _ = optimum(W, G, manifold, iters=1500)
-    assert quality(W, G, solution.A[0], opt) >= 0.995
+    assert quality(W, G, solution.A[0], opt) >= 0.99
     H = geometry(manifold).tangent_residual(W.double(), solution.A[0].double())
     assert H.square().mean().sqrt() / W.double().norm(dim=0).mean() <= 2e-3
 
