@@ -226,7 +226,7 @@ class MaskedGram(Manifold):
 
     P(S) = S - diag(S) * ~keep, `keep` (..., q) one bool per column: Stiefel's P keeps every
     diagonal entry, DGram's none, dgram-cap's pinned columns theirs. Stacking Stiefel and DGram
-    problems into one batch (span coordinates make them all 2q x q, manifolds/span_bank.py)
+    problems into one batch (span coordinates make them all 2q x q, span.StackedSpans)
     then needs nothing but this mask; the squared column norms d2 come with each problem
     (Stiefel: 1). The operations are Stiefel's fused kernels followed by the mask.
     """

@@ -21,6 +21,8 @@ such a bank on the full matrices instead (seen in training: an attention matrix 
 """
 import torch
 
+from manifolds.geometry import MaskedGram
+
 
 class StackedSpans:
     """The 2q x q problems (W', G') equivalent to tall banks (W, G: (n_i, p_i, q)) of one q,
@@ -44,7 +46,6 @@ class StackedSpans:
     def __init__(self, banks):
         """banks: [(W, G, geo, d2)], d2 the metric's squared column norms of W (geo.squared_norms;
         Stiefel: 1)."""
-        from manifolds.geometry import MaskedGram
         q = banks[0][0].size(-1)
         self.sizes = [W.size(0) for W, *_ in banks]
         # G scaled to columns of unit mean norm, like W's: K then measures the conditioning
