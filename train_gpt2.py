@@ -40,6 +40,7 @@ from training.run_dir import RunLock, check_shared_out_dir, remove_leftovers
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
 from manifolds.assignment import MATRIX_KEYS, parse_assignment, qkv_blocks, valid_choices
+from manifolds.optimizer import SOLVER_DEFAULTS
 
 # ----------------------------------------------------------------------------------------
 # Configuration
@@ -126,9 +127,11 @@ def parse_args(argv=None):
     t.add_argument("--capturable", choices=("auto", "on", "off"), default="auto",
                    help="sync-free optimizer step: fixed iteration budgets and every decision on the device "
                         "(no host syncs; the iterations an early exit would save are run); auto = on on GPU")
-    t.add_argument("--solver-precision", choices=("fp32", "bf16"), default="fp32",
-                   help="ADMM's inner iterations in fp32 or bf16 (tensor cores; the final projection and "
-                        "retraction stay fp32; bf16 costs direction quality, see bench/RESULTS.md)")
+    t.add_argument("--solver-precision", choices=("auto", "fp32", "tf32", "bf16"), default="auto",
+                   help="ADMM's inner iterations: fp32 (3xTF32 kernels on GPU), tf32 (TF32 tensor cores, "
+                        "fp32 accumulation; emulated on CPU), or bf16; the final projection and retraction "
+                        "stay fp32; auto = tf32 on GPU, fp32 on CPU (bf16 costs direction quality, tf32 "
+                        "does not measurably: bench/RESULTS.md)")
     t.add_argument("--solver", choices=("auto", "dual", "admm"), default="auto",
                    help="steepest-direction solver; auto picks by shape and manifold")
     t.add_argument("--kernels", choices=KERNEL_BACKENDS, default="auto",
@@ -865,10 +868,20 @@ def restore(payload, model, adamw, muon, args):
                                     for k in changed))
     model.load_state_dict(payload["model"])
     adamw.load_state_dict(payload["adamw"])
+    # Optimizer.load_state_dict restores the groups' options too. The solver's (--solver-precision,
+    # --admm-steps, ...) are this run's flags: they change cost and accuracy, not what is trained.
+    solver_now = [{k: group[k] for k in SOLVER_DEFAULTS if k in group} for group in muon.param_groups]
     muon.load_state_dict(payload["muon"])
+    changed = {}
+    for group, now in zip(muon.param_groups, solver_now):
+        for k, v in now.items():
+            if group.get(k, v) != v:
+                changed[k] = (group.get(k), v)
+            group[k] = v
     torch.set_rng_state(payload["rng"]["cpu"])
     if payload["rng"]["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
+    return changed
 
 
 def diagnostics(model, plan, args, train_loss, lr, grad_norm):
@@ -937,7 +950,10 @@ def train(args, env, cleanup):
     plan = matrix_plan(model, layer_assignments(args, auto))
     start_step, best_val, val_loss, train_loss = 0, math.inf, None, None
     if payload is not None:
-        restore(payload, model, adamw, muon, args)
+        solver_changes = restore(payload, model, adamw, muon, args)
+        if solver_changes:
+            say("note: solver options differ from the checkpoint's; this run's apply: "
+                + ", ".join(f"{k} {old} -> {new}" for k, (old, new) in solver_changes.items()))
         if payload.get("train_shards", train_stream.fingerprint()) != train_stream.fingerprint():
             say(f"warning: the train shards in {args.data_dir} are not those of the checkpoint (files or token "
                 "counts differ): the resumed run reads other data than the original would have", file=sys.stderr)
@@ -1018,10 +1034,13 @@ def train(args, env, cleanup):
             step_ms, opt_ms = 1000 * (t1 - t0), 1000 * (t1 - t_opt)
             if log:
                 solver = muon.stats()  # this rank's share of every bank; reading it syncs the device
+                # matrices that took the sync-free precision fallback (rare; only logged when it happens)
+                fallbacks = {bank: s["fallbacks"] for bank, s in solver.items() if s["fallbacks"]}
                 log.row(step=step + 1, train_loss=train_loss, lr=lr, grad_norm=float(grad_norm),
                         tokens_per_s=tokens_per_step / (t1 - t0), step_ms=step_ms, opt_ms=opt_ms,
                         solver_iterations={bank: s["iterations"] for bank, s in solver.items()},
-                        solver_residual={bank: s["residual"] for bank, s in solver.items()})
+                        solver_residual={bank: s["residual"] for bank, s in solver.items()},
+                        **({"solver_fallbacks": fallbacks} if fallbacks else {}))
             if (step + 1) % args.log_every == 0 or step == start_step:
                 say(f"step {step + 1:6d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
                     f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_step / (t1 - t0):,.0f} tok/s",

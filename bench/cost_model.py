@@ -77,6 +77,9 @@ def parse_args(argv=None):
     ap.add_argument("--admm-steps", type=int, default=None, help="train_gpt2's --admm-steps (default: its default)")
     ap.add_argument("--capturable", action="store_true",
                     help="pass capturable=True to ManifoldMuon (if its SolverOptions has that field)")
+    ap.add_argument("--solver-precision", default="tf32",
+                    help="train_gpt2's --solver-precision (default tf32: what its auto picks on a GPU; on this "
+                         "CPU auto would be fp32)")
     ap.add_argument("--tf32", action="store_true",
                     help="label products as if torch.backends.cuda.matmul.fp32_precision = 'tf32' "
                          "(set_float32_matmul_precision('high')): TF32 for torch's fp32 matmuls and the kernels")
@@ -129,7 +132,8 @@ def trainer_args(args):
                                    "--assign", args.assign, "--clip", args.clip, "--kernels", "torch",
                                    "--device", "cpu", "--dtype", "float32"]
                                   + ([] if args.admm_steps is None else ["--admm-steps", str(args.admm_steps)])
-                                  + (["--capturable", "on" if args.capturable else "off"]))
+                                  + (["--capturable", "on" if args.capturable else "off"])
+                                  + ["--solver-precision", args.solver_precision])
     train_gpt2.validate_args(targs, world_size=1)
     return targs
 
@@ -313,7 +317,7 @@ def main(argv=None):
               "sync-free path that --capturable counts; this count is the syncing path (auto on a CPU)")
     print(f"ManifoldMuon step, {args.assign}, {args.n_layer} layers x n_embd {args.n_embd}, clip {args.clip}"
           f"{', capturable' if args.capturable else ''}{', fixed iterations' if args.fixed_iterations else ''}"
-          f"{', TF32 labels' if args.tf32 else ''}; "
+          f"{', TF32 labels' if args.tf32 else ''}, solver precision {args.solver_precision}; "
           f"code at {commit}{' + uncommitted changes' if dirty else ''}", flush=True)
     with tf32_labels(args.tf32):
         return count_and_report(args, out)

@@ -172,8 +172,9 @@ def triton_fp32_precision():
     """tl.dot's precision for fp32 operands, as kernels/products_triton.py would choose it."""
     try:
         from kernels.products_triton import fp32_precision
-    except ImportError:  # no Triton here: its rule (3xTF32 unless torch allows TF32)
-        return "tf32" if tf32_allowed() else "tf32x3"
+    except ImportError:  # no Triton here: its rule (3xTF32 unless the solver or torch asks for TF32)
+        from kernels.precision import tf32_active
+        return "tf32" if tf32_active() or tf32_allowed() else "tf32x3"
     return fp32_precision()
 
 

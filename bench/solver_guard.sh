@@ -5,6 +5,9 @@
 #   bash bench/solver_guard.sh          (SEEDS, CORPUS, OUT, VENV override the defaults)
 #   SETTINGS="default iters20 warm2 warm4" ASSIGNS=hetero bash bench/solver_guard.sh
 #     (warmN: N warm-started ADMM iterations, issue 15 lever 5)
+#   SETTINGS="iters20 gpu gpu-fp32" ASSIGNS=hetero bash bench/solver_guard.sh
+#     (gpu: what a GPU runs by default, the polynomial clip, sync-free, TF32 inner iterations
+#     emulated on this CPU; gpu-fp32: the same at fp32)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS:-"1 2"}
@@ -17,7 +20,9 @@ if [ ! -f "$OUT/data/prepare_progress.json" ]; then
     $PY data/prepare.py --files "$OUT/books.jsonl" --out-dir "$OUT/data" --val-fraction 0.1 --num-proc 1
 fi
 declare -A SOLVER=([default]="" [iters20]="--admm-steps 20 --dual-steps 20"
-                   [warm1]="--admm-steps 1" [warm2]="--admm-steps 2" [warm3]="--admm-steps 3" [warm4]="--admm-steps 4")
+                   [warm1]="--admm-steps 1" [warm2]="--admm-steps 2" [warm3]="--admm-steps 3" [warm4]="--admm-steps 4"
+                   [gpu]="--clip polynomial --capturable on --solver-precision tf32"
+                   [gpu-fp32]="--clip polynomial --capturable on --solver-precision fp32")
 SETTINGS=${SETTINGS:-"default iters20"}
 ASSIGNS=${ASSIGNS:-"hetero all-stiefel"}
 for setting in $SETTINGS; do

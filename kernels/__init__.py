@@ -15,6 +15,7 @@ import torch
 
 from errors import UserError
 from kernels import matrix_sign, products_torch, tangent
+from kernels.precision import tf32_products  # noqa: F401  (re-exported: the solver's TF32 scope)
 
 BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -100,6 +101,11 @@ def dual_update(Lambda, H, M, manifold, d2, step, backend="auto"):
 def symmetric_part(A, X, backend="auto"):
     """(A^T X + X^T A) / 2."""
     return tangent.symmetric_part(A, X, products_for(backend, A, X))
+
+
+def sym_product(X, alpha=1.0, backend="auto"):
+    """alpha X X^T (..., m, m) for X (..., m, k); the fused kernel computes the upper tiles only."""
+    return products_for(backend, X).sym_product(X, alpha)
 
 
 def matmul_add(B, X, C, alpha=1.0, beta=1.0, backend="auto"):

@@ -10,8 +10,12 @@ over leading dimensions and computed in its own dtype (torch decides the accumul
 
 P is the identity or, with zero_diagonal=True, zeroes the diagonal (the DGram projector).
 C and base must be symmetric: the Triton twin reads them on the upper-triangle tiles only.
+Inside kernels.precision.tf32_products() the fp32 operands (not C or base) are rounded to TF32,
+as the Triton twin's tensor cores would read them.
 """
 import torch
+
+from kernels.precision import operand
 
 
 def off_diagonal(S):
@@ -25,6 +29,7 @@ def pair_scale(d2):
 
 
 def sym_product(X, alpha=1.0, C=None, beta=0.0):
+    X = operand(X)
     out = X @ X.mT
     if alpha != 1.0:
         out = alpha * out
@@ -32,7 +37,7 @@ def sym_product(X, alpha=1.0, C=None, beta=0.0):
 
 
 def matmul_add(B, X, C, alpha=1.0, beta=1.0):
-    product = B @ X
+    product = operand(B) @ operand(X)
     if alpha == -1.0 and beta == 1.0:
         return C - product
     if alpha != 1.0:
@@ -43,7 +48,7 @@ def matmul_add(B, X, C, alpha=1.0, beta=1.0):
 def symmetric_gram(X, Y, zero_diagonal=False, d2=None, alpha=1.0, base=None, want_sumsq=False):
     """(out, sumsq): T = P(X^T Y + Y^T X) for X, Y (..., p, q); out = base + alpha T / pair
     (or alpha T without d2); sumsq = ||T||_F^2 per matrix, at least fp32 (None unless asked)."""
-    XtY = X.mT @ Y
+    XtY = operand(X).mT @ operand(Y)
     T = XtY + XtY.mT
     if zero_diagonal:
         T = off_diagonal(T)

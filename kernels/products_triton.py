@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.precision import tf32_active
+
 # Kernel launches per function: lets tests prove that the Triton path ran, and how often.
 LAUNCHES = Counter()
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,8 +49,11 @@ SMALL_PROBLEM = 256   # output dimensions below this use the SMALL configuration
 
 
 def fp32_precision():
-    """tl.dot input precision for fp32 tensors: TF32 where torch lets its CUDA fp32 matmuls use
-    TF32, 3xTF32 (close to fp32) where it does not (torch's default)."""
+    """tl.dot input precision for fp32 tensors: TF32 inside kernels.precision.tf32_products() and
+    where torch lets its CUDA fp32 matmuls use TF32, 3xTF32 (close to fp32) elsewhere (torch's
+    default)."""
+    if tf32_active():
+        return "tf32"
     # torch.backends.cuda.matmul.fp32_precision reflects both the new API and the legacy
     # set_float32_matmul_precision ("none" = never set); the legacy getter raises once the
     # new API was used.

@@ -70,8 +70,10 @@ class SolverOptions:
     clip: str = "auto"          # ADMM's polar factor and spectral clip: "eigh" (eigendecomposition of
                                 # the q x q Gram), "polynomial" (Polar Express through `kernels`), or
                                 # "auto": eigh on CPU tensors, polynomial on GPUs and under "triton"
-    precision: str = "fp32"     # ADMM's inner iterations in span coordinates: "fp32" or "bf16" (tensor
-                                # cores; reduction, lift, final projection and retraction stay fp32)
+    precision: str = "auto"     # ADMM's inner iterations in span coordinates: "fp32" (3xTF32 on GPUs),
+                                # "tf32" (TF32 tensor cores, fp32 accumulation; emulated on CPU),
+                                # "bf16", or "auto": tf32 for fp32 CUDA tensors, fp32 elsewhere; the
+                                # reduction, lift, final projection and retraction stay fp32
     capturable: object = "auto"  # True: no host syncs (fixed budgets, decisions on the device; see the
                                  # module docstring); False: early exits; "auto": True on CUDA tensors
 
@@ -128,9 +130,9 @@ def relative_residual(W, sumsq):
     return rms_H / W.norm(dim=-2).mean(dim=-1).clamp_min(1e-30)
 
 
-def spectral_norm(A, iters):
+def spectral_norm(A, iters, backend="torch"):
     """||A||_op per matrix: the square root of the top eigenvalue of A^T A (q x q)."""
-    return top_eigenvalue(A.mT @ A, iters).sqrt()
+    return top_eigenvalue(kernels.sym_product(A.mT, backend=backend), iters, backend).sqrt()
 
 
 def use_eigh(opts, Y):
@@ -173,11 +175,11 @@ def spectral_clip(Y, opts):
         return gram_function(Y, lambda lam: lam.rsqrt().clamp_max(1.0))
     O = kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
     P = kernels.symmetric_part(O, Y, opts.backend)  # sym(O^T Y)
-    eye = torch.eye(P.size(-1), dtype=P.dtype, device=P.device)
-    E = P - eye
+    E = P - torch.eye(P.size(-1), dtype=P.dtype, device=P.device)
     sign_E = kernels.msign(E, opts.msign_steps, opts.polish_steps, opts.backend)
     absE = kernels.symmetric_part(sign_E.mT, E, opts.backend)  # sym(sign(E) E)
-    return O @ (0.5 * (P + eye - absE))
+    # O min(P, I) = O (I + (E - |E|) / 2): one product with O added in the epilogue
+    return kernels.matmul_add(O, E - absE, O, alpha=0.5, backend=opts.backend)
 
 
 def masked_update(active, old, new):
@@ -193,8 +195,10 @@ def finalize_banks(banks, opts):
     """finalize for banks [(W, A, geo, d2)] of the same q (any rows, any batch shape): the
     projections bank by bank, the spectral norms of all from one stack of q x q Grams."""
     projected = [geo.tangent_projection(W, A, d2, opts.backend) for W, A, geo, d2 in banks]
-    grams = [(A.mT @ A).reshape((-1,) + A.shape[-1:] * 2) for A in projected]
-    norms = top_eigenvalue(torch.cat(grams), opts.norm_iters).sqrt().clamp_min(1e-30)
+    grams = [kernels.sym_product(A.mT, backend=opts.backend).reshape((-1,) + A.shape[-1:] * 2) for A in projected]
+    # the Grams at fp32 (they set the scale), the power iteration's squarings at the iterations' precision
+    tf32 = iteration_precision(opts, projected[0]) == "tf32"
+    norms = top_eigenvalue(torch.cat(grams), opts.norm_iters, opts.backend, tf32).sqrt().clamp_min(1e-30)
     return [A / n.reshape(A.shape[:-2] + (1, 1)) for A, n in zip(projected, torch.split(norms, [len(g) for g in grams]))]
 
 
@@ -284,7 +288,7 @@ def admm_in_span(problems, opts):
         raise ValueError("admm_in_span takes banks that are all warm-started or all cold")
     sync_free = capturable(opts, problems[0][0])
     d2s = [geo.squared_norms(W) for W, _, geo, _ in problems]
-    stack = lambda ids: StackedSpans([problems[i][:3] + (d2s[i],) for i in ids])  # noqa: E731
+    stack = lambda ids: StackedSpans([problems[i][:3] + (d2s[i],) for i in ids], opts.backend)  # noqa: E731
     stacked_ids = list(range(len(problems)))
     spans = stack(stacked_ids)
     if not sync_free:  # one host sync for all: a bank whose span has no Cholesky factor is solved in full
@@ -320,28 +324,39 @@ def admm_in_span(problems, opts):
     return solutions
 
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 
 
-def iteration_dtype(opts, W):
-    """The dtype of ADMM's inner iterations (SolverOptions.precision)."""
+def iteration_precision(opts, W):
+    """The precision of ADMM's inner iterations (SolverOptions.precision), "auto" resolved: TF32
+    where tensor cores run it (fp32 CUDA tensors), fp32 elsewhere (a CPU has no TF32 units; the
+    emulation is for checking, not speed)."""
     if opts.precision not in PRECISIONS:
         raise ValueError(f"unknown solver precision {opts.precision!r}; valid: {', '.join(PRECISIONS)}")
-    return torch.bfloat16 if opts.precision == "bf16" else W.dtype
+    if opts.precision == "auto":
+        return "tf32" if W.device.type == "cuda" and W.dtype == torch.float32 else "fp32"
+    return opts.precision
 
 
 def span_iterations(spans, correction, opts):
     """admm_iterations on the stacked span problems, in `opts.precision`.
 
-    bf16: the iterations' products run on tensor cores (fp32 accumulation in the Triton
-    kernels), ~6x the 3xTF32 rate; the span reduction before, the lift, the exact tangent
+    tf32: every product of the iterations (the kernels' three products, matrix signs and clips
+    included) reads its operands at TF32 and accumulates in fp32 (kernels.precision), 3x the
+    3xTF32 rate; direction quality 0.992 / 0.994 of the optimum against 0.993 / 0.996 in fp32
+    (bench/RESULTS.md). bf16: the iterates themselves are bf16 (~6x the 3xTF32 rate), at a
+    measured 0.91-0.93. Either way the span reduction before, the lift, the exact tangent
     projection, the renormalisation and the retraction after stay fp32, so the answer is
-    feasible to fp32 accuracy whatever the iterations' rounding (it costs direction quality,
-    measured in bench/RESULTS.md). The elementwise span projection runs in fp32.
+    feasible to fp32 accuracy whatever the iterations' rounding. The elementwise span
+    projection runs in fp32.
     """
-    low = iteration_dtype(opts, spans.W)
-    if low == spans.W.dtype:
+    precision = iteration_precision(opts, spans.W)
+    if precision == "tf32":
+        with kernels.tf32_products():
+            return admm_iterations(spans.W, spans.G, spans.geo, correction, opts, spans.d2, spans.project)
+    if precision == "fp32" or spans.W.dtype == torch.bfloat16:
         return admm_iterations(spans.W, spans.G, spans.geo, correction, opts, spans.d2, spans.project)
+    low = torch.bfloat16
     project = lambda Y: spans.project(Y.float()).to(low)  # noqa: E731
     B, correction, residual, iterations = admm_iterations(
         spans.W.to(low), spans.G.to(low), spans.geo, None if correction is None else correction.to(low),
@@ -368,7 +383,7 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
     # Started from the previous step's multiplier, a smaller penalty (a longer dual step)
     # converges faster; from nothing it overshoots (measured in bench/RESULTS.md).
     penalty = opts.admm_rho if correction is None else opts.admm_rho_warm
-    rho = (penalty * spectral_norm(GT, opts.norm_iters)).clamp_min(1e-30)[..., None, None]
+    rho = (penalty * spectral_norm(GT, opts.norm_iters, opts.backend)).clamp_min(1e-30)[..., None, None]
     if correction is None:
         Z, U = polar(GT, opts), torch.zeros_like(G)
     else:

@@ -40,6 +40,10 @@ from manifolds.geometry import MANIFOLDS, geometry
 SOLVER_DEFAULTS = asdict(SolverOptions())
 # group options that may differ inside one bank: they enter the step per matrix
 PER_MATRIX = ("lr", "weight_decay")
+# per-bank statistics of a step (`stats`): iterations and residual are maxima over matrices and ranks,
+# fallbacks a count
+STAT_FIELDS = ("iterations", "residual", "fallbacks")
+STATS = len(STAT_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -232,8 +236,8 @@ class ManifoldMuon(torch.optim.Optimizer):
         return layout
 
     def _exchange_width(self, layout, n_banks):
-        """Elements each rank sends: the largest rank's pieces, then 2 statistics per bank."""
-        return max(sum(piece.weight().numel() for piece in pieces) for pieces in layout) + 2 * n_banks
+        """Elements each rank sends: the largest rank's pieces, then STATS statistics per bank."""
+        return max(sum(piece.weight().numel() for piece in pieces) for pieces in layout) + STATS * n_banks
 
     def all_gather_elements(self):
         """Elements of one step's flat all-gather, padded ((N-1)/N of them come from other ranks)."""
@@ -278,7 +282,8 @@ class ManifoldMuon(torch.optim.Optimizer):
     def _exchange(self, banks, computed, owners):
         """Every rank's new weights to every rank: one flat all-gather. A rank's buffer is its
         pieces in bank order (as `_layout` lists them), padded, then per bank the iterations and
-        residual of its share (-inf where it owns none), so that `stats` covers the whole bank."""
+        residual (maxima) and fallbacks (a sum) of its share (-inf where it owns none), so that
+        `stats` covers the whole bank."""
         layout = self._layout(banks, owners)
         width = self._exchange_width(layout, len(banks))
         device = banks[0][1][0].param.device
@@ -286,12 +291,12 @@ class ManifoldMuon(torch.optim.Optimizer):
         flat = torch.cat([w.reshape(-1) for _, new_W in computed for w in new_W]) if computed else send[:0]
         send[:flat.numel()] = flat
         names = [name for name, _ in banks]
-        stats = send[width - 2 * len(banks):].view(len(banks), 2)
+        stats = send[width - STATS * len(banks):].view(len(banks), STATS)
         stats.fill_(-float("inf"))
         for i, name in enumerate(names):
             if name in self.last_stats:  # tensors, not floats: no device sync
-                stats[i, 0] = self.last_stats[name]["iterations"]
-                stats[i, 1] = self.last_stats[name]["residual"]
+                for j, field in enumerate(STAT_FIELDS):
+                    stats[i, j] = self.last_stats[name][field]
         # the flat (world x width) form: gloo takes no stacked output
         received = torch.empty(self.world_size * width, dtype=torch.float32, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -308,8 +313,9 @@ class ManifoldMuon(torch.optim.Optimizer):
                 n = piece.weight().numel()
                 piece.weight().copy_(received[rank, offset:offset + n].view(piece.weight().shape))
                 offset += n
-        merged = received[:, width - 2 * len(banks):].view(self.world_size, len(banks), 2).amax(dim=0)
-        self.last_stats = {name: {"iterations": merged[i, 0], "residual": merged[i, 1]}
+        shares = received[:, width - STATS * len(banks):].view(self.world_size, len(banks), STATS)
+        largest, fallbacks = shares[..., :2].amax(dim=0), shares[..., 2].clamp_min(0).sum(dim=0)
+        self.last_stats = {name: {"iterations": largest[i, 0], "residual": largest[i, 1], "fallbacks": fallbacks[i]}
                            for i, name in enumerate(names)}
 
     @staticmethod
@@ -372,13 +378,17 @@ class ManifoldMuon(torch.optim.Optimizer):
                 else:
                     self.state[piece.param][piece.dual_key] = solution.state[i]
         # tensors, not floats: reading them would sync the device every bank
-        self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max()}
+        self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max(),
+                                 "fallbacks": solution.fallbacks}
         return [w.mT if piece.wide else w for piece, w in zip(pieces, new_W.unbind(0))]
 
     def stats(self):
-        """{bank: {"iterations": int, "residual": float}} of the last step: the largest over the
-        bank's matrices (under torch.distributed, over every rank's share)."""
-        return {name: {"iterations": int(s["iterations"]), "residual": float(s["residual"])}
+        """{bank: {"iterations": int, "residual": float, "fallbacks": int}} of the last step:
+        iterations and residual the largest over the bank's matrices, fallbacks the number of
+        them that took the sync-free precision fallback (dual.admm_in_span: Proj_T(G) instead
+        of the steepest direction), under torch.distributed over every rank's share."""
+        return {name: {"iterations": int(s["iterations"]), "residual": float(s["residual"]),
+                       "fallbacks": int(s.get("fallbacks", 0))}
                 for name, s in self.last_stats.items()}
 
     @staticmethod

@@ -19,8 +19,11 @@ c = R^(-1) x; V c then carries a rounding error of about eps ||c||^2 ||K|| again
 `lift` reports, per matrix, whether that error is below 1e-3 of the signal; the caller solves
 such a bank on the full matrices instead (seen in training: an attention matrix at lr 0.2).
 """
+import contextlib
+
 import torch
 
+import kernels
 from manifolds.geometry import MaskedGram
 
 
@@ -43,9 +46,9 @@ class StackedSpans:
     precision (G nearly inside span[W]).
     """
 
-    def __init__(self, banks):
+    def __init__(self, banks, backend="torch"):
         """banks: [(W, G, geo, d2)], d2 the metric's squared column norms of W (geo.squared_norms;
-        Stiefel: 1)."""
+        Stiefel: 1); `backend` computes the Grams K (kernels.sym_product)."""
         q = banks[0][0].size(-1)
         self.sizes = [W.size(0) for W, *_ in banks]
         # G scaled to columns of unit mean norm, like W's: K then measures the conditioning
@@ -53,7 +56,7 @@ class StackedSpans:
         # G's scale, a warm-start multiplier does).
         scales = [q ** 0.5 / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30) for _, G, _, _ in banks]
         self.V = [torch.cat([W, G * scale], dim=-1) for (W, G, _, _), scale in zip(banks, scales)]
-        K = torch.cat([V.mT @ V for V in self.V])
+        K = torch.cat([kernels.sym_product(V.mT, backend=backend) for V in self.V])
         K = 0.5 * (K + K.mT)
         self.d = torch.diagonal(K[..., :q, :q], dim1=-2, dim2=-1).clamp_min(1e-30).sqrt()
         self.d2 = torch.cat([d2 for *_, d2 in banks])  # Stiefel: 1, which d^2 is up to rounding
@@ -111,17 +114,20 @@ class SpanReduction(StackedSpans):
         return super().lift(x)[0]
 
 
-def top_eigenvalue(S, iters):
+def top_eigenvalue(S, iters, backend="torch", tf32=False):
     """Largest eigenvalue of symmetric PSD S (..., q, q) by power iteration on S^32.
 
     Five squarings, normalised as they go, make it converge like 32 x iters plain power steps:
     the top of a near-msign Gram is a tight cluster (within 1% needs a power in the hundreds).
     The Rayleigh quotient on S itself is a lower bound, tight once v is in the top cluster.
+    The squarings (S S^T = S^2: kernels.sym_product, upper tiles) only steer v, so with `tf32`
+    they read TF32 operands; the quotient is an fp32 matrix-vector product either way.
     """
     power = S
     for _ in range(5):
         power = power / power.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
-        power = power @ power
+        with kernels.tf32_products() if tf32 else contextlib.nullcontext():
+            power = kernels.sym_product(power, backend=backend)
     v = torch.ones(S.shape[:-1] + (1,), dtype=S.dtype, device=S.device)
     v[..., 0, :] = 2.0  # break symmetry with an all-ones vector that might be degenerate
     v = power_steps(power, v, iters, every=4)

@@ -92,13 +92,13 @@ def test_costs_order_the_solvers():
 def test_exchange_volume_is_the_largest_rank_padded():
     _, groups = gpt2_matrices(32, 12, "hetero", init=False)
     opt = ManifoldMuon(groups)
-    assert opt.all_gather_elements() == sum(p.numel() for g in groups for p in g["params"]) + 2 * 3
+    assert opt.all_gather_elements() == sum(p.numel() for g in groups for p in g["params"]) + 3 * 3
     opt.world_size = 8
     volumes = []
     for rank in range(8):
         opt.rank = rank
         volumes.append(sum(piece.weight().numel() for piece in opt.owned_pieces()))
-    assert opt.all_gather_elements() == 8 * (max(volumes) + 2 * 3)  # 3 banks (qkv, proj, fc+mlp.proj): 2 statistics each
+    assert opt.all_gather_elements() == 8 * (max(volumes) + 3 * 3)  # 3 banks (qkv, proj, fc+mlp.proj): 3 statistics each
     assert sum(volumes) == sum(p.numel() for g in groups for p in g["params"])
 
 

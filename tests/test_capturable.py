@@ -102,6 +102,45 @@ def test_sync_free_precision_fallback_is_a_feasible_descent_direction(manifold):
     assert quality(W, G, A, opt) >= 0.8  # 0.85 (Stiefel), 0.84 (DGram) here; the full solve: 0.9998, 0.998
 
 
+def test_resume_applies_this_runs_solver_flags():
+    # Optimizer.load_state_dict would bring back the checkpoint's solver options; the flags given
+    # to the resumed run win, and restore reports the difference
+    import train_gpt2
+    base = ["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
+
+    def build(flags):
+        args = train_gpt2.parse_args(base + flags)
+        train_gpt2.validate_args(args)
+        torch.manual_seed(0)
+        model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 16, 64))
+        return (model, *train_gpt2.build_optimizers(model, args, torch.device("cpu"))[::-1], args)
+
+    model, adamw, muon, args = build(["--admm-steps", "4"])
+    payload = train_gpt2.checkpoint_payload(0, model, adamw, muon.state_dict(), {}, args)
+    payload["rng"] = {"cpu": torch.get_rng_state(), "cuda": []}
+    model, adamw, muon, args = build(["--admm-steps", "7", "--solver-precision", "tf32"])
+    changed = train_gpt2.restore(payload, model, adamw, muon, args)
+    assert changed == {"admm_steps": (4, 7), "precision": ("auto", "tf32")}
+    assert all(g["admm_steps"] == 7 and g["precision"] == "tf32" for g in muon.param_groups)
+    model, adamw, muon, args = build(["--admm-steps", "4"])
+    assert train_gpt2.restore(payload, model, adamw, muon, args) == {}
+
+
+def test_optimizer_stats_count_the_fallbacks():
+    # two matrices in one bank, one with a nearly rank-2 gradient (as above): one fallback
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(project_to_manifold(torch.randn(96, 32, generator=g), "stiefel")) for _ in range(2)]
+    params[0].grad = torch.randn(96, 2, generator=g) @ torch.randn(2, 32, generator=g) + 1e-6 * torch.randn(96, 32, generator=g)
+    params[1].grad = torch.randn(96, 32, generator=g)
+    opt = ManifoldMuon([{"params": params, "manifold": "stiefel"}], lr=0.01, capturable=True)
+    opt.step()
+    assert opt.stats()["stiefel:96x32"]["fallbacks"] == 1
+    assert all(manifold_violation(p.detach(), "stiefel") <= 1e-4 for p in params)
+    opt = ManifoldMuon([{"params": params, "manifold": "stiefel"}], lr=0.01, capturable=False)
+    opt.step()
+    assert opt.stats()["stiefel:96x32"]["fallbacks"] == 0  # the syncing step solves it in full instead
+
+
 def test_capturable_rejects_a_non_boolean():
     W, G = random_point((32, 16), "stiefel", seed=0)
     with pytest.raises(ValueError, match="capturable must be"):
@@ -139,8 +178,9 @@ def test_trainer_flags_reach_the_solver():
     import train_gpt2
     from manifolds.optimizer import solver_options
     model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 16, 64))
-    for flags, capturable, precision in [([], "auto", "fp32"), (["--capturable", "on", "--solver-precision", "bf16"],
-                                                                 True, "bf16"), (["--capturable", "off"], False, "fp32")]:
+    for flags, capturable, precision in [([], "auto", "auto"), (["--capturable", "on", "--solver-precision", "bf16"],
+                                                                 True, "bf16"), (["--capturable", "off"], False, "auto"),
+                                         (["--solver-precision", "tf32"], "auto", "tf32")]:
         args = train_gpt2.parse_args(["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"] + flags)
         train_gpt2.validate_args(args)
         muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))

@@ -1,0 +1,53 @@
+"""The precision of the fp32 products: 3xTF32 (close to IEEE fp32, the default) or TF32.
+
+TF32 keeps fp32's exponent and 10 of its 23 mantissa bits; tensor cores multiply TF32 operands
+and accumulate in fp32, at 3x the rate of 3xTF32 (which splits each operand into a TF32 head
+and tail to recover fp32 accuracy). Inside `tf32_products()`:
+
+* the Triton kernels pass input_precision="tf32" for fp32 operands (products_triton.fp32_precision);
+* the torch twin (products_torch) rounds its fp32 operands to TF32 (round to nearest even), on any
+  device, so that a CPU run computes what TF32 tensor cores would, up to accumulation order.
+  The hardware's conversion may truncate instead of rounding; the solver's direction quality
+  was measured both ways (bench/RESULTS.md, issue 15).
+
+Accumulators and epilogue terms (the C of beta C + alpha B X) are not rounded: the kernels add
+them in fp32. The scope is explicit and nested-safe; nothing here touches torch's global
+matmul settings (cuBLAS calls outside the kernels keep whatever the user chose).
+"""
+import contextlib
+
+import torch
+
+_depth = 0
+
+
+@contextlib.contextmanager
+def tf32_products():
+    """Products of fp32 operands run at TF32 inside (see the module docstring)."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+
+
+def tf32_active():
+    return _depth > 0
+
+
+def round_to_tf32(X):
+    """X with its fp32 mantissa rounded to TF32's 10 bits (nearest, ties to even); other dtypes
+    pass unchanged. Finite values only (the solver's are): a carry into the exponent is the
+    correct rounding up, and values within half a TF32 ulp of fp32's largest would overflow."""
+    if X.dtype != torch.float32:
+        return X
+    bits = X.contiguous().view(torch.int32)
+    # add half an ulp of the kept bits (minus one, plus the lowest kept bit: ties to even), then cut
+    bits = (bits + (0x0FFF + ((bits >> 13) & 1))) & ~0x1FFF
+    return bits.view(torch.float32)
+
+
+def operand(X):
+    """A product's operand as the current precision reads it (products_torch)."""
+    return round_to_tf32(X) if _depth > 0 else X
