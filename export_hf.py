@@ -164,6 +164,9 @@ def hf_model(payload):
     from transformers import GPT2LMHeadModel
     model = load_model(payload)  # checks the weights against the checkpoint's own flags
     require_gpt2_vocab(model.cfg, "a GPT-2 export")
+    if model.cfg.qk_norm or model.cfg.attn_softcap:
+        raise UserError("this checkpoint was trained with --qk-norm or --attn-softcap, which GPT2LMHeadModel's "
+                        "attention does not have: its export would compute other logits (--qk-clip runs export)")
     hf = GPT2LMHeadModel(hf_config(model.cfg))
     hf.load_state_dict(hf_state_dict(model_state(payload), model.cfg), strict=True)
     return hf.eval(), model

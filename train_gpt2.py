@@ -36,6 +36,7 @@ from training.checkpoints import (checkpoint_path, load_checkpoint, load_newest,
                                   write_text_atomic)
 from training.auto_assign import AutoAssign
 from training.diagnostics import AttentionProbe, matrix_stats
+from training.qk_clip import QKClip
 from training.run_dir import RunLock, check_shared_out_dir, remove_leftovers
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
@@ -95,6 +96,17 @@ def parse_args(argv=None):
     m.add_argument("--n-embd", type=int, default=768, help="model width")
     m.add_argument("--seq-len", type=int, default=1024, help="context length in tokens")
     m.add_argument("--vocab-size", type=int, default=50304, help="embedding rows (GPT-2's 50257 padded)")
+    s = p.add_argument_group("attention-logit stabilizers (combine with any --assign)")
+    s.add_argument("--qk-norm", action="store_true",
+                   help="RMS-normalise q and k per head with a learned gain (Wortsman et al. 2023; modded-nanogpt)")
+    s.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU",
+                   help="QK-Clip (Kimi K2's MuonClip): after each step, scale the query and key weights of "
+                        "every head whose largest logit in that step exceeded TAU (K2: 100), as far as the "
+                        "matrix's manifold allows: per head for plain Muon, the whole matrix for DGram, not "
+                        "at all for Stiefel (training/qk_clip.py); 0 = off")
+    s.add_argument("--attn-softcap", type=float, default=0.0, metavar="C",
+                   help="soft-cap the attention logits to C tanh(logits / C) (Gemma 2: 50); needs explicit "
+                        "logits instead of the fused attention kernel; 0 = off")
     t = p.add_argument_group("training")
     t.add_argument("--total-batch-size", type=int, default=64,
                    help="sequences per optimizer step over all processes (the published 64 x 1024 tokens); "
@@ -185,6 +197,14 @@ def validate_args(args, world_size=None):
         raise UserError(f"--vocab-size {args.vocab_size} exceeds what uint16 token shards can hold")
     if not args.dgram_cap > 0:
         raise UserError(f"--dgram-cap must be positive, got {args.dgram_cap}")
+    for name in ("qk_clip", "attn_softcap"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive (0 = off), got {getattr(args, name)}")
+    if args.qk_clip and args.qk_norm:
+        raise UserError("--qk-clip with --qk-norm: normalised q and k do not depend on the scale of W_q and W_k, "
+                        "so the clip could not lower a logit; use one of them")
+    if args.qk_clip and args.optimizer != "muon":
+        raise UserError("--qk-clip rescales Muon matrices after the Muon step: it needs --optimizer muon")
     for name in ("auto_logit_max", "auto_saturation", "auto_sigma_growth"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be non-negative (0 = off), got {getattr(args, name)}")
@@ -426,21 +446,70 @@ class GPTConfig:
     n_embd: int = 768
     seq_len: int = 1024
     vocab_size: int = 50304
+    qk_norm: bool = False       # RMS-normalise q and k per head (learned gain), Wortsman et al. 2023
+    attn_softcap: float = 0.0   # logits -> C tanh(logits / C) when C > 0 (Gemma 2 uses 50)
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal multi-head attention; the literature's logit stabilizers are options of it.
+
+    logits = q k^T / sqrt(d_head), with q and k RMS-normalised per head under qk_norm, and
+    soft-capped to C tanh(logits / C) under attn_softcap (which needs the explicit logits: the
+    fused kernel takes no score function). `track_logits` (QK-Clip, training.qk_clip) makes
+    the training forward keep the largest logit of each head since the last reset, on the
+    device, without a host sync.
+    """
+
     def __init__(self, cfg):
         super().__init__()
         self.n_head = cfg.n_head
+        self.d_head = cfg.n_embd // cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)  # fused Q, K, V
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.q_norm = nn.RMSNorm(self.d_head) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.d_head) if cfg.qk_norm else None
+        self.softcap = cfg.attn_softcap
+        self.track_logits = False
+        self.register_buffer("logit_max", torch.zeros(cfg.n_head), persistent=False)
+
+    def heads(self, qkv):
+        """q, k, v (B, H, T, d_head) of the fused projection's output, q and k normalised."""
+        B, T, three_C = qkv.shape
+        q, k, v = (t.view(B, T, self.n_head, self.d_head).transpose(1, 2) for t in qkv.split(three_C // 3, dim=2))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def raw_logits(self, q, k):
+        return q @ k.mT / self.d_head ** 0.5
+
+    def cap(self, logits):
+        return self.softcap * torch.tanh(logits / self.softcap) if self.softcap else logits
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k, v = self.heads(self.c_attn(x))
+        if self.track_logits and self.training:
+            self._track(q, k)
+        if self.softcap:
+            logits = self.cap(self.raw_logits(q, k))
+            future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            y = logits.masked_fill(future, float("-inf")).softmax(dim=-1).to(v.dtype) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    @torch.no_grad()
+    def _track(self, q, k):
+        """logit_max[h] <- max(logit_max[h], max over batch and causal pairs of the logit the
+        softmax sees), in fp32: what QK-Clip compares with tau. One sequence at a time, so the
+        extra memory is H T^2 floats."""
+        T = q.size(-2)
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        with torch.autocast(q.device.type, enabled=False):
+            for b in range(q.size(0)):
+                logits = self.cap(self.raw_logits(q[b].float(), k[b].float())).masked_fill(future, -float("inf"))
+                self.logit_max.copy_(torch.maximum(self.logit_max, logits.amax(dim=(-2, -1))))
 
 
 class MLP(nn.Module):
@@ -648,7 +717,8 @@ def evaluate_and_diagnose(model, plan, stream, args, device, autocast, env=DistE
     column norms of every Muon matrix) and what they cost: `eval_ms` is the loss pass alone,
     `diagnostics_ms` the time the diagnostics added to it."""
     t0 = time.perf_counter()
-    probe = AttentionProbe([block.attn.c_attn for block in model.blocks], args.n_head) if env.is_main else None
+    probe = (AttentionProbe([block.attn.c_attn for block in model.blocks], args.n_head,
+                            [block.attn for block in model.blocks]) if env.is_main else None)
     val_loss, eval_tokens = evaluate(model, stream, args, device, autocast, env, probe)
     if probe is None:
         return val_loss, eval_tokens, {}
@@ -773,7 +843,8 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json")
 # What a resumed run must share with its checkpoint: the model's shapes and assignment, and the
 # total batch (the data a step reads is a function of the step and the total batch). The
 # micro-batch and the number of processes may change: they only change the accumulation.
-RESUME_FIXED_ARGS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "assign", "total_batch_size")
+RESUME_FIXED_ARGS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "assign", "total_batch_size",
+                     "qk_norm", "attn_softcap", "qk_clip")
 
 
 def main(argv=None):
@@ -939,7 +1010,8 @@ def train(args, env, cleanup):
     resume_path, payload = find_resume_checkpoint(args, say) if args.resume else (None, None)
 
     torch.manual_seed(args.seed)  # the same initialisation on every rank
-    cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size)
+    cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size,
+                    qk_norm=args.qk_norm, attn_softcap=args.attn_softcap)
     model = GPT(cfg).to(device)
     auto = None
     if args.assign.strip() == "auto":
@@ -948,8 +1020,11 @@ def train(args, env, cleanup):
             auto.load_state_dict(payload["auto"])
     muon, adamw = build_optimizers(model, args, device, auto)
     plan = matrix_plan(model, layer_assignments(args, auto))
+    qk_clip = QKClip([block.attn for block in model.blocks], plan, args.qk_clip, env.world_size > 1) if args.qk_clip else None
     start_step, best_val, val_loss, train_loss = 0, math.inf, None, None
     if payload is not None:
+        if qk_clip is not None and "qk_clip" in payload:
+            qk_clip.load_state_dict(payload["qk_clip"])
         solver_changes = restore(payload, model, adamw, muon, args)
         if solver_changes:
             say("note: solver options differ from the checkpoint's; this run's apply: "
@@ -962,7 +1037,9 @@ def train(args, env, cleanup):
         say(f"resuming from {resume_path} at step {start_step}")
     step_model = torch.compile(model) if args.compile else model
     if env.world_size > 1:  # gradient all-reduce, bucketed and overlapped with the backward
-        step_model = DDP(step_model, device_ids=[env.local_rank] if device.type == "cuda" else None)
+        # broadcast_buffers=False: the only buffers are QK-Clip's per-rank logit maxima (reduced in QKClip.step)
+        step_model = DDP(step_model, device_ids=[env.local_rank] if device.type == "cuda" else None,
+                         broadcast_buffers=False)
     tokens_per_step = args.total_batch_size * args.seq_len
     n_params = sum(p.numel() for p in model.parameters())
     comm_bytes = communication_bytes_per_step(model, muon, env)
@@ -989,6 +1066,8 @@ def train(args, env, cleanup):
             state["train_shards"] = train_stream.fingerprint()
             if auto is not None:
                 state["auto"] = auto.state_dict()
+            if qk_clip is not None:
+                state["qk_clip"] = qk_clip.state_dict()
             if prefix == "ckpt":
                 save_checkpoint(state, args.out_dir, step, args.keep_ckpts)
             else:
@@ -1023,6 +1102,8 @@ def train(args, env, cleanup):
             t_opt = time.perf_counter()
             adamw.step()
             muon.step()
+            if qk_clip is not None:
+                qk_clip.step()
             adamw.zero_grad(set_to_none=True)
             muon.zero_grad(set_to_none=True)
             if device.type == "cuda":
@@ -1050,6 +1131,8 @@ def train(args, env, cleanup):
                 val_loss, eval_tokens, eval_fields = evaluate_and_diagnose(
                     model, plan, val_stream, args, device, autocast, env)
                 replica_diff = replica_max_abs_diff(model, env)
+                if qk_clip is not None:
+                    eval_fields.update(qk_clip.stats())
                 if log:
                     log.row(step=step + 1, val_loss=val_loss, eval_tokens=eval_tokens,
                             replica_max_abs_diff=replica_diff, **eval_fields)
@@ -1057,6 +1140,8 @@ def train(args, env, cleanup):
                     + (f" | replicas differ by {replica_diff:.1e}" if env.world_size > 1 else ""), flush=True)
                 if auto is not None:
                     switches, plan = auto_switch(step + 1, eval_fields, auto, model, muon, plan, args, env)
+                    if qk_clip is not None:
+                        qk_clip.replan(plan)
                     for switch in switches:
                         say(f"step {step + 1:6d} | auto: layer {switch['layer']} attention -> stiefel "
                             f"({switch['reason']})", flush=True)

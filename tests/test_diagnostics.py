@@ -46,7 +46,7 @@ def test_attention_stats_match_a_pair_by_pair_reference(chunk):
     qkv = 3 * torch.randn(3, 6, 3 * 8)
     probe = AttentionProbe([], n_head=2)
     probe.CHUNK_ELEMENTS = chunk
-    logit_max, max_prob = probe.attention_stats(qkv)
+    logit_max, max_prob, _ = probe.attention_stats(qkv)
     want_logit, want_prob = reference_attention_stats(qkv, 2)
     assert float(logit_max) == pytest.approx(want_logit, rel=1e-5)
     assert float(max_prob) == pytest.approx(want_prob, rel=1e-5)
@@ -59,7 +59,7 @@ def test_attention_stats_are_fp32_inside_bf16_autocast():
     qkv = 3 * torch.randn(2, 6, 3 * 8)
     probe = AttentionProbe([], n_head=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logit_max, max_prob = probe.attention_stats(qkv)
+        logit_max, max_prob, _ = probe.attention_stats(qkv)
     want_logit, want_prob = reference_attention_stats(qkv, 2)
     assert logit_max.dtype == torch.float32
     assert float(logit_max) == pytest.approx(want_logit, rel=1e-5)

@@ -20,7 +20,15 @@ saturates to one-hot and its Jacobian vanishes. Each eval row therefore carries
 
 The logits come from an AttentionProbe: forward hooks on the fused QKV projections that
 recompute q k^T explicitly from the q and k the model made, while the model itself keeps
-using scaled_dot_product_attention (which never materialises the logits).
+using scaled_dot_product_attention (which never materialises the logits). Under the
+stabilizers they are the logits the softmax sees (q and k normalised, soft-capped), and eval
+rows also carry
+
+    attn_logit_max_raw[l], softcap_fraction[l]
+                         under --attn-softcap C: max |logit| before the cap, and the fraction of
+                         causal logits the cap shrinks by more than 10% (|logit| > 0.587 C)
+    qk_clip_heads[l], qk_clip_events   under --qk-clip (training.qk_clip): heads of layer l
+                         rescaled so far, and the steps with any rescaling
 """
 import time
 
@@ -45,11 +53,17 @@ class AttentionProbe:
     # logits per chunk of sequences: at most this many floats at once (256 MB in fp32)
     CHUNK_ELEMENTS = 1 << 26
 
-    def __init__(self, qkv_projections, n_head):
+    def __init__(self, qkv_projections, n_head, attentions=None):
+        """`attentions`: the CausalSelfAttention modules of those projections, when their logits
+        are not plain q k^T / sqrt(d_head) (qk_norm, attn_softcap): the probe then computes them
+        the modules' way (heads, raw_logits, cap) and also reports, under soft-capping, the raw
+        maximum and the fraction of logits the cap acts on."""
         self.projections = list(qkv_projections)
         self.n_head = n_head
+        self.attentions = list(attentions) if attentions is not None else [None] * len(self.projections)
         self.logit_max = [None] * len(self.projections)
         self.max_prob = [None] * len(self.projections)
+        self.capped = [None] * len(self.projections)  # (raw logit max, capped fraction) under soft-capping
         self.handles = []
         self.ms = 0.0
 
@@ -67,43 +81,64 @@ class AttentionProbe:
         def hook(module, inputs, qkv):
             _sync(qkv.device)
             t0 = time.perf_counter()
-            self.logit_max[layer], self.max_prob[layer] = self.attention_stats(qkv.detach())
+            self.logit_max[layer], self.max_prob[layer], self.capped[layer] = self.attention_stats(
+                qkv.detach(), self.attentions[layer])
             _sync(qkv.device)
             self.ms += 1000 * (time.perf_counter() - t0)
         return hook
 
     @torch.no_grad()
-    def attention_stats(self, qkv):
-        """(max |logit| over causal pairs, mean over queries of the largest probability), in fp32.
+    def attention_stats(self, qkv, attention=None):
+        """(max |logit| over causal pairs, mean over queries of the largest probability, and under
+        soft-capping (raw max |logit|, fraction of causal logits the cap shrinks by over 10%)), in fp32.
 
         The probe runs inside the eval's autocast, which would compute q k^T in bf16 whatever the
         inputs' dtype (on CUDA and on CPU): it is switched off here, so that the statistics that
         --assign auto compares with its thresholds carry fp32 rounding, not bf16's 2^-8."""
         with torch.autocast(qkv.device.type, enabled=False):
-            return self._attention_stats(qkv)
+            return self._attention_stats(qkv, attention)
 
-    def _attention_stats(self, qkv):
+    # C tanh(u / C) < 0.9 u  <=>  u / C > 0.5873: where the soft cap shrinks a logit by over 10%
+    CAP_KNEE = 0.5873
+
+    def _attention_stats(self, qkv, attention):
         B, T, three_C = qkv.shape
         C, H = three_C // 3, self.n_head
-        heads = qkv.float().view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4)  # (3, B, H, T, d_head)
-        q, k = heads[0], heads[1]
+        if attention is None:
+            heads = qkv.float().view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4)  # (3, B, H, T, d_head)
+            q, k = heads[0], heads[1]
+            raw_logits, cap, softcap = (lambda q, k: q @ k.mT / (C // H) ** 0.5), (lambda x: x), 0.0
+        else:
+            q, k, _ = attention.heads(qkv.float())
+            raw_logits, cap, softcap = attention.raw_logits, attention.cap, attention.softcap
         future = torch.ones(T, T, dtype=torch.bool, device=qkv.device).triu(1)
         logit_max = torch.zeros((), device=qkv.device)
+        raw_max = torch.zeros((), device=qkv.device)
+        knee = torch.zeros((), dtype=torch.float64, device=qkv.device)
         prob_sum = torch.zeros((), dtype=torch.float64, device=qkv.device)
         rows = max(1, self.CHUNK_ELEMENTS // (H * T * T))
         for lo in range(0, B, rows):
-            logits = q[lo:lo + rows] @ k[lo:lo + rows].mT / (C // H) ** 0.5  # (b, H, T, T)
+            raw = raw_logits(q[lo:lo + rows], k[lo:lo + rows])  # (b, H, T, T)
+            logits = cap(raw)
             logit_max = torch.maximum(logit_max, logits.abs().masked_fill(future, 0).amax())
+            if softcap:
+                raw_max = torch.maximum(raw_max, raw.abs().masked_fill(future, 0).amax())
+                knee += (raw.abs() > self.CAP_KNEE * softcap).masked_fill(future, False).sum(dtype=torch.float64)
             probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
             prob_sum += probs.amax(dim=-1).sum(dtype=torch.float64)
-        return logit_max, prob_sum / (B * H * T)
+        capped = (raw_max, knee / (B * H * T * (T + 1) / 2)) if softcap else None
+        return logit_max, prob_sum / (B * H * T), capped
 
     def results(self):
         """{"attn_logit_max": [per layer], "softmax_max_prob": [per layer]} as floats."""
         if any(v is None for v in self.logit_max):
             raise RuntimeError("AttentionProbe saw no forward pass through every layer")
-        return {"attn_logit_max": [float(v) for v in self.logit_max],
-                "softmax_max_prob": [float(v) for v in self.max_prob]}
+        out = {"attn_logit_max": [float(v) for v in self.logit_max],
+               "softmax_max_prob": [float(v) for v in self.max_prob]}
+        if all(c is not None for c in self.capped):
+            out["attn_logit_max_raw"] = [float(raw) for raw, _ in self.capped]
+            out["softcap_fraction"] = [float(fraction) for _, fraction in self.capped]
+        return out
 
 
 def singular_values(matrices):

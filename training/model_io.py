@@ -47,7 +47,8 @@ def model_config(payload):
     missing = [k for k in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size") if k not in saved]
     if missing:
         raise UserError(f"the checkpoint's training flags lack {', '.join(missing)}: cannot rebuild its model")
-    return GPTConfig(saved["n_layer"], saved["n_head"], saved["n_embd"], saved["seq_len"], saved["vocab_size"])
+    return GPTConfig(saved["n_layer"], saved["n_head"], saved["n_embd"], saved["seq_len"], saved["vocab_size"],
+                     qk_norm=saved.get("qk_norm", False), attn_softcap=saved.get("attn_softcap", 0.0))
 
 
 def model_state(payload):
