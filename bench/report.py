@@ -41,7 +41,7 @@ class Run:
                     row = json.loads(line)
                     kind = self.events if "event" in row else self.evals if "val_loss" in row else self.train
                     kind.append(row)
-        self.label = self.config.get("assign", os.path.basename(os.path.normpath(path)))
+        self.label = self.config.get("assign", os.path.basename(os.path.normpath(path))) + stabilizers(self.config)
         self.assign = self.label  # the label may gain the folder name; this stays the assignment
 
     @property
@@ -116,6 +116,15 @@ class Run:
     def run_max(self, key, select=lambda name: True):
         _, values = self.over_evals(key, select)
         return max(values, key=nan_last) if values else math.nan
+
+
+def stabilizers(config):
+    """" +qk-norm +qk-clip 100 +softcap 50" for the attention stabilizers a run used ("" for none):
+    runs of one assignment with and without them are different rows."""
+    parts = [" +qk-norm"] if config.get("qk_norm") else []
+    parts += [f" +qk-clip {config['qk_clip']:g}"] if config.get("qk_clip") else []
+    parts += [f" +softcap {config['attn_softcap']:g}"] if config.get("attn_softcap") else []
+    return "".join(parts)
 
 
 def nan_last(value):

@@ -116,3 +116,14 @@ def test_solver_guard_table_gives_the_setting_gap_and_the_seed_spread(tmp_path):
     # gap: max over seeds of |default - iters20| = 0.01; spread: max over settings of max - min = 0.03
     assert row == "| hetero | 5.4000, 5.4300 | 5.4100, 5.4200 | 0.0100 | 0.0300 |"
     assert (tmp_path / "guard.png").stat().st_size > 0
+
+
+def test_runs_with_attention_stabilizers_are_their_own_rows(tmp_path):
+    done = {"status": "completed", "steps": 10, "tokens": 10000, "final_val_loss": 6.0, "diverged": None}
+    fake_run(tmp_path / "a", "all-dgram", [(10, 6.0, 9.0, 1.0, 2.0)], done, started=1000)
+    fake_run(tmp_path / "b", "all-dgram", [(10, 5.8, 9.0, 1.0, 2.0)], done, started=2000)
+    with open(tmp_path / "b" / "config.json", "w") as f:
+        json.dump({"assign": "all-dgram", "tokens_per_step": 1000, "qk_clip": 100.0, "attn_softcap": 50.0,
+                   "qk_norm": False}, f)
+    labels = [r.label for r in report.find_runs([str(tmp_path)])]
+    assert labels == ["all-dgram", "all-dgram +qk-clip 100 +softcap 50"]
