@@ -6,7 +6,16 @@
 #   bash run.sh assign [--paper] SPEC... [train flags...]
 #                                          any list of assignments (presets or key=manifold specs), quick
 #                                          setting (or the paper's with --paper)
-#   --jobs N (quick, paper, assign; or JOBS=N)
+#   --seeds "S1 S2 ..." (quick, paper, assign)
+#                                          each assignment once per seed, in $RUNS_DIR/<spec>/seed<S>
+#   bash run.sh sweep [--paper] [--muon-lrs "A B ..."] [--seeds "S1 S2 ..."] [SPEC...] [train flags...]
+#                                          each assignment (default the five presets) at each Muon lr
+#                                          (default 0.02 0.05 0.1) and seed (default 1 2 3), quick setting,
+#                                          in $RUNS_DIR/<spec>/lr<A>/seed<S>; then $RUNS_DIR/sweep.{md,png}:
+#                                          mean ± sd per cell, each at its best lr, Welch t-tests
+#                                          (bench/sweep_report.py). The sweep sets --muon-lr and --seed
+#                                          per run (--seeds sets --seed): the train flags must not
+#   --jobs N (quick, paper, assign, sweep; or JOBS=N)
 #                                          up to N runs at a time, each one's output in its folder's
 #                                          train.log (N = 1: one after the other, output here). Default:
 #                                          paper 1; quick on CPU min(runs, cores, available memory / 1.5 GB),
@@ -17,7 +26,7 @@
 # Train flags go to every run and override the defaults (later flags win). Runs that diverge are
 # recorded and the script goes on; a folder's finished runs are kept when it is run again (an
 # interrupted one resumes); Ctrl-C stops every running run at its next step, checkpointed. Environment:
-#   RUNS_DIR    where the run folders and the report go (default runs/quick-<time> or runs/paper-<time>)
+#   RUNS_DIR    where the run folders and the report go (default runs/<quick|paper|sweep>-<time>)
 #   VENV        the virtual environment (default .venv); SKIP_SETUP=1 uses it as it is
 #   DATA_ROOT   where quick/paper put the data they prepare (default data)
 #   NPROC       processes per node for paper (default 8)
@@ -27,6 +36,7 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 DATA_ROOT=${DATA_ROOT:-data}
 PRESETS=(unconstrained all-stiefel all-dgram hetero hetero-inv)
+SWEEP_LRS=(0.02 0.05 0.1) SWEEP_SEEDS=(1 2 3)  # sweep's default grid: around quick's --muon-lr 0.05
 OWT_SAMPLE=stas/openwebtext-10k  # the first 10k OpenWebText documents; its parquet export has no script
 # A small GPT-2 for a CPU or one GPU: a few minutes per assignment on one CPU core; higher
 # learning rates than the paper's so that 200 steps learn something.
@@ -109,9 +119,10 @@ paper_data() {
 
 # --- the ablation ------------------------------------------------------------------------
 
-# Run every spec of SPECS with DEFAULTS + FLAGS in $RUNS_DIR, up to JOBS_N at a time, then write the report.
+# Run every planned run (plan_runs: each spec of SPECS, over LRS and SEEDS when given) with
+# DEFAULTS + FLAGS + its own flags in $RUNS_DIR, up to JOBS_N at a time, then write the report.
 ablation() {
-    local setting=$1 n=${#SPECS[@]} data_given=0 flag
+    local setting=$1 n data_given=0 flag
     local -a data=()
     for flag in "${FLAGS[@]}"; do
         case $flag in
@@ -124,6 +135,7 @@ ablation() {
             --data-dir|--data-dir=*) data_given=1 ;;
         esac
     done
+    grid_flags_clash
     setup
     if [ $data_given = 0 ]; then  # no --data-dir among the flags: prepare the setting's data
         if [ "$setting" = paper ]; then paper_data; else quick_data; fi
@@ -137,17 +149,54 @@ ablation() {
         DEFAULTS=("${QUICK[@]}")
     fi
     DEFAULTS+=("${data[@]}")
-    RUNS_DIR=${RUNS_DIR:-runs/$setting-$(date +%Y%m%d-%H%M%S)}
+    local name=$setting
+    if [ "$command" = sweep ]; then name=sweep; [ "$setting" = quick ] || name=sweep-paper; fi
+    RUNS_DIR=${RUNS_DIR:-runs/$name-$(date +%Y%m%d-%H%M%S)}
     mkdir -p "$RUNS_DIR"
-    echo "== $n run(s) in $RUNS_DIR: ${SPECS[*]}"
+    plan_runs
+    n=${#PLAN_SPEC[@]}
+    echo "== $n run(s) in $RUNS_DIR: ${SPECS[*]}${LRS[*]:+; Muon lr ${LRS[*]}}${SEEDS[*]:+; seeds ${SEEDS[*]}}"
     if [ -z "$JOBS_N" ]; then default_jobs "$setting" "$n"; fi
     if [ "$JOBS_N" -gt "$n" ]; then JOBS_N=$n; fi
     if [ "$JOBS_N" = 1 ]; then one_at_a_time; else side_by_side; fi
     report
 }
 
-# The run folder of spec $1
+# The folder of spec $1 (made folder-safe)
 run_dir() { echo "$RUNS_DIR/$(echo "$1" | tr '=,' '-+')"; }
+
+# The planned runs, one per spec of SPECS, or with LRS and/or SEEDS one per (seed, lr, spec),
+# seed-major (a sweep stopped early has every spec and lr at its first seeds). Run i has the folder
+# PLAN_DIR[i] ($RUNS_DIR/<spec>[/lr<lr>][/seed<seed>]), its own train flags PLAN_FLAGS[i] (after
+# the user's; numbers only, validated, so a plain string), its --run-name PLAN_NAME[i] and its name in
+# the progress lines PLAN_TAG[i].
+plan_runs() {
+    local spec lr seed dir flags name what
+    local -a lrs=("${LRS[@]}") seeds=("${SEEDS[@]}")
+    [ ${#lrs[@]} -gt 0 ] || lrs=('')
+    [ ${#seeds[@]} -gt 0 ] || seeds=('')
+    PLAN_SPEC=() PLAN_DIR=() PLAN_FLAGS=() PLAN_NAME=() PLAN_TAG=()
+    LOG_GLOB="$RUNS_DIR/*${LRS[*]:+/lr*}${SEEDS[*]:+/seed*}/train.log"
+    for seed in "${seeds[@]}"; do
+        for lr in "${lrs[@]}"; do
+            for spec in "${SPECS[@]}"; do
+                dir=$(run_dir "$spec") flags='' name=$spec what=''
+                if [ -n "$lr" ]; then dir+=/lr$lr; flags+=" --muon-lr $lr"; name+=/lr$lr; what+=", lr $lr"; fi
+                if [ -n "$seed" ]; then dir+=/seed$seed; flags+=" --seed $seed"; name+=/seed$seed; what+=", seed $seed"; fi
+                PLAN_SPEC+=("$spec") PLAN_DIR+=("$dir") PLAN_FLAGS+=("$flags") PLAN_NAME+=("$name")
+                PLAN_TAG+=("$spec${what:+ (${what#, })}")
+            done
+        done
+    done
+}
+
+# Sets CMD: the trainer's command line for planned run $1 (uses RESUME).
+train_command() {
+    local -a own
+    read -r -a own <<< "${PLAN_FLAGS[$1]}"
+    CMD=("${LAUNCH[@]}" train_gpt2.py "${DEFAULTS[@]}" --run-name "${PLAN_NAME[$1]}" "${FLAGS[@]}" "${own[@]}"
+         --assign "${PLAN_SPEC[$1]}" --out-dir "${PLAN_DIR[$1]}" "${RESUME[@]}")
+}
 
 # Sets RESUME for the run in folder $1 (none, --resume auto or --overwrite); fails if the run is
 # finished (completed or diverged: kept, and said so with $2 = "[i/n] spec").
@@ -162,7 +211,7 @@ prepare_run() {
     elif [ -e "$1/config.json" ]; then RESUME=(--overwrite); fi
 }
 
-# Says how the run of spec $2 in folder $3 ended (exit status $4, its output $5) as "[$1] ..."; sets
+# Says how the run named $2 (its PLAN_TAG) in folder $3 ended (exit status $4, its output $5) as "[$1] ..."; sets
 # OUTCOME to on (go on to the next run), interrupted or unstarted (a mistake: stop with status 2).
 finish_run() {
     local tag=$1 spec=$2 dir=$3 rc=$4 where=$5 status
@@ -187,18 +236,17 @@ finish_run() {
 
 # --jobs 1: every run in the foreground, its output on the terminal.
 one_at_a_time() {
-    local i=0 spec dir rc
-    for spec in "${SPECS[@]}"; do
-        i=$((i + 1))
-        dir=$(run_dir "$spec")
-        prepare_run "$dir" "[$i/$n] $spec" || continue
-        echo "== [$i/$n] $spec -> $dir ${RESUME[*]}"
+    local i tag dir rc
+    for ((i = 0; i < n; i++)); do
+        tag="[$((i + 1))/$n] ${PLAN_TAG[$i]}" dir=${PLAN_DIR[$i]}
+        prepare_run "$dir" "$tag" || continue
+        echo "== $tag -> $dir ${RESUME[*]}"
+        train_command "$i"
         set +e
-        "${LAUNCH[@]}" train_gpt2.py "${DEFAULTS[@]}" --run-name "$spec" "${FLAGS[@]}" \
-            --assign "$spec" --out-dir "$dir" "${RESUME[@]}"
+        "${CMD[@]}"
         rc=$?
         set -e
-        finish_run "$i/$n" "$spec" "$dir" "$rc" above
+        finish_run "$((i + 1))/$n" "${PLAN_TAG[$i]}" "$dir" "$rc" above
         case $OUTCOME in
             interrupted) report; exit 4 ;;
             unstarted) exit 2 ;;
@@ -209,31 +257,30 @@ one_at_a_time() {
 # --jobs N > 1: up to N runs at a time in the background, each one's output in its folder's
 # train.log. A Ctrl-C reaches every run (one process group): each checkpoints and stops.
 side_by_side() {
-    local next=0 running=0 stop=on i spec dir rc threads=${OMP_NUM_THREADS:-} live
+    local next=0 running=0 stop=on i tag dir rc threads=${OMP_NUM_THREADS:-} live
     local -a pid=()
     local cores
     cores=$(count_cores)
     if [ -z "$threads" ]; then threads=$((cores / JOBS_N)); [ "$threads" -ge 1 ] || threads=1; fi
     echo "== up to $JOBS_N runs at a time$JOBS_WHY, OMP_NUM_THREADS=$threads each"
-    echo "   each run's output goes to its folder's train.log (tail -f $RUNS_DIR/*/train.log to follow)"
+    echo "   each run's output goes to its folder's train.log (tail -f $LOG_GLOB to follow)"
     STOPPING=0
     # Ctrl-C: start no more runs, wait for the running ones to checkpoint. (Set before the runs
     # start: a background command then keeps the default SIGINT, which the trainer turns into a stop.)
     trap 'STOPPING=1' INT TERM
     while :; do
         while [ "$STOPPING" = 0 ] && [ "$stop" = on ] && [ "$running" -lt "$JOBS_N" ] && [ "$next" -lt "$n" ]; do
-            spec=${SPECS[$next]}
+            dir=${PLAN_DIR[$next]} tag="[$((next + 1))/$n] ${PLAN_TAG[$next]}"
             next=$((next + 1))
-            dir=$(run_dir "$spec")
-            prepare_run "$dir" "[$next/$n] $spec" || continue
+            prepare_run "$dir" "$tag" || continue
             [ "$STOPPING" = 0 ] || { next=$((next - 1)); break; }  # a Ctrl-C just now: not started
             mkdir -p "$dir"
-            echo "== [$next/$n] $spec -> $dir${RESUME[*]:+ ${RESUME[*]}} (output: $dir/train.log)"
+            echo "== $tag -> $dir${RESUME[*]:+ ${RESUME[*]}} (output: $dir/train.log)"
             if [ ${#RESUME[@]} -gt 0 ] && [ "${RESUME[0]}" = --resume ]; then : >> "$dir/train.log"
             else : > "$dir/train.log"; fi
+            train_command "$((next - 1))"
             ( export OMP_NUM_THREADS=$threads
-              exec "${LAUNCH[@]}" train_gpt2.py "${DEFAULTS[@]}" --run-name "$spec" "${FLAGS[@]}" \
-                  --assign "$spec" --out-dir "$dir" "${RESUME[@]}" >> "$dir/train.log" 2>&1 ) &
+              exec "${CMD[@]}" >> "$dir/train.log" 2>&1 ) &
             pid[$next]=$!
             running=$((running + 1))
         done
@@ -246,9 +293,8 @@ side_by_side() {
             wait "${pid[$i]}" || rc=$?
             unset "pid[$i]"
             running=$((running - 1))
-            spec=${SPECS[$((i - 1))]}
-            dir=$(run_dir "$spec")
-            finish_run "$i/$n" "$spec" "$dir" "$rc" "see $dir/train.log"
+            dir=${PLAN_DIR[$((i - 1))]}
+            finish_run "$i/$n" "${PLAN_TAG[$((i - 1))]}" "$dir" "$rc" "see $dir/train.log"
             case $OUTCOME in
                 interrupted) [ "$stop" = unstarted ] || stop=interrupted ;;
                 unstarted) stop=unstarted
@@ -302,9 +348,11 @@ except (OSError, ValueError, KeyError):
     print("none")' "$1"
 }
 
+# The report of $RUNS_DIR: a sweep's statistics (bench/sweep_report.py), else the table of runs.
 report() {
     echo "== report"
-    "$VENV/bin/python" bench/report.py "$RUNS_DIR"
+    if [ "$command" = sweep ]; then "$VENV/bin/python" bench/sweep_report.py "$RUNS_DIR"
+    else "$VENV/bin/python" bench/report.py "$RUNS_DIR"; fi
 }
 
 # Takes --jobs N / --jobs=N out of the arguments (into JOBS_N; JOBS=N in the environment is the
@@ -325,10 +373,78 @@ take_jobs() {
         die "$where$JOBS_N: --jobs N is how many runs at a time, a whole number from 1"
 }
 
+# Takes --muon-lrs "A B ..." and --seeds "S1 S2 ..." (or --muon-lrs=..., --seeds=...) out of the
+# arguments into LRS and SEEDS, checked (a mistake would otherwise surface as a run that does not
+# start), leaving the rest in ARGS. Seeds are written without leading zeros: one folder per seed.
+take_grid() {
+    local name value item
+    local -a items
+    ARGS=()
+    while [ $# -gt 0 ]; do
+        case $1 in
+            --muon-lrs|--seeds) [ $# -ge 2 ] || die "$1 \"A B ...\": the list is missing"
+                                name=$1 value=$2; shift 2 ;;
+            --muon-lrs=*|--seeds=*) name=${1%%=*} value=${1#*=}; shift ;;
+            *) ARGS+=("$1"); shift; continue ;;
+        esac
+        read -r -d '' -a items <<< "$value" || true  # -d '': newlines separate too
+        [ ${#items[@]} -gt 0 ] || die "$name \"$value\": an empty list"
+        if [ "$name" = --muon-lrs ]; then
+            LRS=()
+            for item in "${items[@]}"; do
+                positive_number "$item" || die "$name: $item is not a positive number (e.g. 0.05 or 5e-2)"
+                LRS+=("$item")
+            done
+        else
+            SEEDS=()
+            for item in "${items[@]}"; do
+                [[ $item =~ ^[0-9]{1,18}$ ]] || die "$name: $item is not a seed (a whole number from 0, up to 18 digits)"
+                SEEDS+=("$((10#$item))")
+            done
+        fi
+        twice "$name"
+    done
+}
+
+positive_number() {
+    [[ $1 =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] && awk -v x="$1" 'BEGIN { exit !(x + 0 > 0) }'
+}
+
+# Fails if a value (LRS or SEEDS, the list $1 names) is given twice: both runs would share a folder.
+twice() {
+    local name=$1 seen=' ' item
+    local -a list
+    if [ "$name" = --muon-lrs ]; then list=("${LRS[@]}"); else list=("${SEEDS[@]}"); fi
+    for item in "${list[@]}"; do
+        case $seen in *" $item "*) die "$name: $item given twice" ;; esac
+        seen+="$item "
+    done
+}
+
+# Fails if the train flags set what the grid sets per run (--muon-lr for LRS, --seed for SEEDS),
+# abbreviations included (the trainer's argparse takes --muon or --see).
+grid_flags_clash() {
+    local flag name
+    for flag in "${FLAGS[@]}"; do
+        name=${flag%%=*}
+        if [ ${#LRS[@]} -gt 0 ] && [ ${#name} -ge 4 ] && [[ --muon-lr == "$name"* ]]; then
+            die "$flag: the sweep sets --muon-lr per run; give the learning rates as --muon-lrs \"A B ...\""
+        fi
+        if [ ${#SEEDS[@]} -gt 0 ] && [ ${#name} -ge 5 ] && [[ --seed == "$name"* ]]; then
+            die "$flag: --seeds sets --seed per run; leave --seed out of the train flags"
+        fi
+    done
+}
+
 command=${1:-}
 [ $# -gt 0 ] && shift
+LRS=() SEEDS=()
 case "$command" in
-    quick|paper|assign) take_jobs "$@"; set -- "${ARGS[@]}" ;;
+    quick|paper|assign|sweep) take_jobs "$@"; set -- "${ARGS[@]}"; take_grid "$@"; set -- "${ARGS[@]}" ;;
+esac
+case "$command" in
+    quick|paper|assign) [ ${#LRS[@]} = 0 ] ||
+        die "--muon-lrs is a grid: bash run.sh sweep --muon-lrs \"${LRS[*]}\" [SPEC...] [train flags...]" ;;
 esac
 case "$command" in
     setup) setup ;;
@@ -342,7 +458,16 @@ case "$command" in
         while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do SPECS+=("$1"); shift; done
         [ ${#SPECS[@]} -gt 0 ] || die "bash run.sh assign [--paper] SPEC... [train flags...]: no SPEC given"
         FLAGS=("$@"); ablation "$setting" ;;
+    sweep)
+        setting=quick
+        if [ "${1:-}" = --paper ]; then setting=paper; shift; fi
+        SPECS=()
+        while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do SPECS+=("$1"); shift; done
+        [ ${#SPECS[@]} -gt 0 ] || SPECS=("${PRESETS[@]}")
+        [ ${#LRS[@]} -gt 0 ] || LRS=("${SWEEP_LRS[@]}")
+        [ ${#SEEDS[@]} -gt 0 ] || SEEDS=("${SWEEP_SEEDS[@]}")
+        FLAGS=("$@"); ablation "$setting" ;;
     report) [ $# -gt 0 ] || die "bash run.sh report FOLDER..."
             setup; "$VENV/bin/python" bench/report.py "$@" ;;
-    *) echo "usage: bash run.sh {quick|paper|assign|report|setup|demo} [...] (see the top of run.sh)" >&2; exit 2 ;;
+    *) echo "usage: bash run.sh {quick|paper|assign|sweep|report|setup|demo} [...] (see the top of run.sh)" >&2; exit 2 ;;
 esac

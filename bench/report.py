@@ -4,8 +4,8 @@
     python bench/report.py runs/a/hetero runs/b/hetero --out cmp  # any run folders
 
 A run folder is what train_gpt2.py writes (config.json, metrics.jsonl, summary.json); a folder
-without metrics.jsonl is searched one level down for run folders. Runs are listed in the
-order they started. Writes report.md and report.png to --out (default: the one folder given),
+without metrics.jsonl is searched below for run folders (e.g. run.sh's <spec>/seed<S>). Runs are
+listed in the order they started. Writes report.md and report.png to --out (default: the one folder given),
 and prints the table.
 
 Columns: final val loss (or how the run ended), steps, tokens, median tokens/s, optimizer share
@@ -147,25 +147,48 @@ def read_json(path):
         return json.load(f)
 
 
+def run_folders(path):
+    """The run folders at or below `path` (a folder with metrics.jsonl is not searched further)."""
+    found = []
+    for folder, subfolders, files in os.walk(path):
+        subfolders.sort()
+        if "metrics.jsonl" in files:
+            found.append(folder)
+            subfolders.clear()
+    return found
+
+
 def find_runs(paths):
     runs = []
     for path in paths:
         if not os.path.isdir(path):
             raise UserError(f"{path} is not a folder")
-        if os.path.exists(os.path.join(path, "metrics.jsonl")):
-            runs.append(Run(path))
-            continue
-        found = [os.path.join(path, d) for d in sorted(os.listdir(path))
-                 if os.path.exists(os.path.join(path, d, "metrics.jsonl"))]
+        found = run_folders(path)
         if not found:
             raise UserError(f"{path} holds no run: neither metrics.jsonl nor a subfolder with one")
         runs += [Run(p) for p in found]
     runs.sort(key=lambda r: r.started)
-    labels = [r.label for r in runs]
-    for r in runs:  # the same assignment from several folders: say which folder
-        if labels.count(r.label) > 1:
-            r.label = f"{r.label} ({os.path.basename(os.path.dirname(os.path.abspath(r.path)))})"
+    name_folders(runs)
     return runs
+
+
+def name_folders(runs):
+    """The same assignment from several folders: say which, by the parent folder's name (s1/hetero),
+    else the folder's own (hetero/seed1), else both: the first that tells them apart."""
+    groups = {}
+    for r in runs:
+        groups.setdefault(r.label, []).append(r)
+    namings = (lambda p: os.path.basename(os.path.dirname(p)), os.path.basename,
+               lambda p: os.path.join(os.path.basename(os.path.dirname(p)), os.path.basename(p)))
+    for label, group in groups.items():
+        if len(group) < 2:
+            continue
+        for naming in namings:
+            names = [naming(os.path.abspath(r.path)) for r in group]
+            if len(set(names)) == len(names):
+                break
+        for r, name in zip(group, names):
+            r.label = f"{label} ({name})"
 
 
 def number(value, fmt):

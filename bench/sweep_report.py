@@ -1,0 +1,244 @@
+"""Statistics of a learning-rate x seed sweep (bash run.sh sweep): is the ordering of the assignments real?
+
+    python bench/sweep_report.py runs/sweep-20250101-120000
+    python bench/sweep_report.py runs/sweep-20250101-120000 --out elsewhere
+
+RUNS_DIR is searched for run folders (what train_gpt2.py writes; run.sh sweep puts them in
+<spec>/lr<lr>/seed<seed>). Each run is keyed by its config.json: the assignment (with its attention
+stabilizers, as in bench/report.py), muon_lr and seed. Writes sweep.md (and prints it) and sweep.png:
+
+- the grid: per assignment and Muon lr, the final val loss mean ± sd (n) over the runs that
+  completed; runs that diverged (also those that diverged and went on, --on-diverge continue)
+  or did not finish are counted beside it, never averaged in;
+- each assignment at its best lr: the lowest mean among the lrs where every run completed;
+- pairwise Welch t-tests of the assignments at their best lrs: difference of means, t, the
+  Welch–Satterthwaite df, the two-sided p-value and a 95% confidence interval (bench/welch.py).
+"""
+import argparse
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.report import find_runs  # noqa: E402
+from bench.welch import Welch  # noqa: E402
+from errors import UserError, run_cli  # noqa: E402
+
+LEVEL = 0.95  # of the confidence intervals
+
+
+def outcome(run):
+    """completed (a final val loss to average), diverged, or unfinished (interrupted, killed, failed)."""
+    if run.diverged_step is not None:
+        return "diverged"
+    return "completed" if math.isfinite(run.final_val()) else "unfinished"
+
+
+class Cell:
+    """The runs of one assignment at one Muon lr."""
+
+    def __init__(self, runs):
+        self.runs = runs
+        self.values = [r.final_val() for r in runs if outcome(r) == "completed"]
+        self.diverged = sum(outcome(r) == "diverged" for r in runs)
+        self.unfinished = sum(outcome(r) == "unfinished" for r in runs)
+        self.seeds = sorted(r.config.get("seed") for r in runs)
+
+    @property
+    def n(self):
+        return len(self.values)
+
+    @property
+    def all_completed(self):
+        return self.n > 0 and self.n == len(self.runs)
+
+    @property
+    def mean(self):
+        return statistics.fmean(self.values) if self.values else math.nan
+
+    @property
+    def sd(self):
+        return statistics.stdev(self.values) if self.n > 1 else math.nan
+
+    def summary(self):
+        """"5.1234 ± 0.0123 (n=3)", with what did not complete: "; 1 of 3 diverged"."""
+        if not self.values:
+            text = "–"
+        elif self.n == 1:
+            text = f"{self.mean:.4f} (n=1)"
+        else:
+            text = f"{self.mean:.4f} ± {self.sd:.4f} (n={self.n})"
+        total = len(self.runs)
+        for count, what in ((self.diverged, "diverged"), (self.unfinished, "unfinished")):
+            if count:
+                text += f"; {count} of {total} {what}"
+        return text
+
+
+def lr_key(run):
+    lr = run.config.get("muon_lr")
+    if lr is None:
+        raise UserError(f"{run.path}/config.json has no muon_lr: not a run of train_gpt2.py?")
+    return lr
+
+
+def grid(runs):
+    """{assignment: {muon lr: Cell}}: assignments in the order they first started, lrs ascending."""
+    groups = {}
+    for r in runs:
+        groups.setdefault(r.assign, {}).setdefault(lr_key(r), []).append(r)
+    return {a: {lr: Cell(by_lr[lr]) for lr in sorted(by_lr)} for a, by_lr in groups.items()}
+
+
+def best_lr(cells):
+    """The lr of the lowest mean among the lrs where every run completed, or None if there is none."""
+    eligible = [lr for lr, cell in cells.items() if cell.all_completed]
+    return min(eligible, key=lambda lr: cells[lr].mean) if eligible else None
+
+
+def grid_table(table):
+    lrs = sorted({lr for cells in table.values() for lr in cells})
+    lines = ["| assignment | " + " | ".join(f"Muon lr {lr:g}" for lr in lrs) + " |", "|---" * (len(lrs) + 1) + "|"]
+    for assign, cells in table.items():
+        lines.append(f"| `{assign}` | " + " | ".join(cells[lr].summary() if lr in cells else "" for lr in lrs)
+                     + " |")
+    return "\n".join(lines)
+
+
+def best_table(table, best):
+    lines = ["| assignment | best Muon lr | final val loss: mean ± sd | n | seeds |", "|---|---|---|---|---|"]
+    for assign, cells in table.items():
+        lr = best[assign]
+        if lr is None:
+            lines.append(f"| `{assign}` | none: no lr where every run completed | | | |")
+            continue
+        cell = cells[lr]
+        sd = f"{cell.sd:.4f}" if cell.n > 1 else "n/a"
+        lines.append(f"| `{assign}` | {lr:g} | {cell.mean:.4f} ± {sd} | {cell.n} | "
+                     + ", ".join(str(s) for s in cell.seeds) + " |")
+    return "\n".join(lines)
+
+
+def pairs(table, best):
+    """(a, b, Welch of a's best-lr values against b's) for every pair with a best lr, a before b."""
+    ranked = [a for a in table if best[a] is not None]
+    return [(a, b, Welch(table[a][best[a]].values, table[b][best[b]].values, LEVEL))
+            for i, a in enumerate(ranked) for b in ranked[i + 1:]]
+
+
+def pair_table(table, best):
+    lines = ["| A | B | A − B | 95% CI of A − B | t | df | p (two-sided) |", "|---|---|---|---|---|---|---|"]
+    for a, b, w in pairs(table, best):
+        head = f"| `{a}` (lr {best[a]:g}) | `{b}` (lr {best[b]:g}) | "
+        if w.problem:
+            diff = table[a][best[a]].mean - table[b][best[b]].mean
+            lines.append(head + f"{diff:+.4f} | {w.problem} | | | |")
+        else:
+            lines.append(head + f"{w.diff:+.4f} | [{w.low:+.4f}, {w.high:+.4f}] | {w.t:.2f} | {w.df:.1f} | "
+                         f"{p_text(w.p)} |")
+    return "\n".join(lines)
+
+
+def p_text(p):
+    return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"
+
+
+def notes(table, best):
+    ns = sorted({table[a][best[a]].n for a in table if best[a] is not None})
+    lrs = {lr for cells in table.values() for lr in cells}
+    if not ns:
+        n_text = "no assignment has a best lr"
+    else:
+        n_text = f"n = {ns[0]}" if len(ns) == 1 else f"n = {ns[0]} to {ns[-1]}"
+        n_text += " run(s) (seeds) per assignment at its best lr"
+    return [
+        f"{n_text}, picked among {len(lrs)} Muon lr(s).",
+        "",
+        "Selection: each assignment's best lr is picked on the same runs that are then compared, so every "
+        "mean at its best lr is biased low (in that assignment's favour), more so the more lrs there are "
+        "and the noisier the runs; the p-values and intervals do not account for this. To confirm an "
+        "ordering, rerun the best lrs on fresh seeds (bash run.sh assign SPEC... --muon-lr LR --seeds "
+        "\"...\") and compare those.",
+        "",
+        "Welch's test treats the two groups as independent with unequal variances. Runs with the same "
+        "seed share the initialisation seed and data order across assignments, so a paired comparison "
+        "could be tighter; with few seeds, a p-value is a rough guide, not a verdict. A run that diverged "
+        "or did not finish is counted in its cell, not averaged in; a cell with any such run is not "
+        "eligible as a best lr.",
+    ]
+
+
+def markdown(runs, figure_name):
+    table = grid(runs)
+    best = {a: best_lr(cells) for a, cells in table.items()}
+    out = ["# Sweep report", "",
+           f"{len(runs)} run(s). Final val loss (the last evaluation of a completed run) per assignment and "
+           "Muon lr: mean ± sd (n completed); runs that diverged or did not finish are counted, not averaged.",
+           "", grid_table(table), "",
+           "Each assignment at its best Muon lr (lowest mean among the lrs where every run completed):", "",
+           best_table(table, best), "",
+           f"Pairwise at the best lrs: Welch's t-test, two-sided, and the {LEVEL:.0%} confidence interval of "
+           "the difference of means (negative: A has the lower loss):", ""]
+    out += [pair_table(table, best) if sum(b is not None for b in best.values()) > 1
+            else "(fewer than two assignments with a best lr: nothing to compare)"]
+    out += [""] + notes(table, best) + ["", f"![final val loss against Muon lr]({figure_name})", ""]
+    return "\n".join(out)
+
+
+def figure(runs, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = grid(runs)
+    fig, ax = plt.subplots(figsize=(8, 5.5), constrained_layout=True)
+    for i, (assign, cells) in enumerate(table.items()):
+        color = f"C{i % 10}"
+        done = {lr: c for lr, c in cells.items() if c.values}
+        lrs = sorted(done)
+        ax.errorbar(lrs, [done[lr].mean for lr in lrs],
+                    yerr=[done[lr].sd if done[lr].n > 1 else 0.0 for lr in lrs],
+                    fmt="o-", color=color, capsize=4, label=assign)
+        for lr in lrs:  # each completed run, faintly
+            ax.plot([lr] * done[lr].n, done[lr].values, ".", color=color, alpha=0.35)
+        for lr, c in cells.items():  # runs that did not complete: a mark at the bottom edge
+            if c.diverged or c.unfinished:
+                ax.annotate(f"{c.diverged + c.unfinished}✗", (lr, 0), xycoords=("data", "axes fraction"),
+                            color=color, ha="center", va="bottom", fontsize=8)
+    ax.set_xscale("log")
+    lrs = sorted({lr for cells in table.values() for lr in cells})
+    ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs])  # the grid's lrs as plain numbers
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set(xlabel="Muon lr", ylabel="final val loss (mean ± sd over seeds)",
+           title="final val loss against Muon lr (✗: runs that diverged or did not finish)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_sweep_report(runs_dir, out_dir=None):
+    runs = find_runs([runs_dir])
+    out_dir = out_dir or runs_dir
+    os.makedirs(out_dir, exist_ok=True)
+    text = markdown(runs, "sweep.png")
+    with open(os.path.join(out_dir, "sweep.md"), "w") as f:
+        f.write(text)
+    figure(runs, os.path.join(out_dir, "sweep.png"))
+    return text, out_dir
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs_dir", metavar="RUNS_DIR",
+                   help="the sweep's folder: searched for run folders (config.json, metrics.jsonl, summary.json)")
+    p.add_argument("--out", default=None, metavar="DIR", help="where sweep.md and sweep.png go (default: RUNS_DIR)")
+    args = p.parse_args(argv)
+    text, out_dir = write_sweep_report(args.runs_dir, args.out)
+    print(text)
+    print(f"wrote {os.path.join(out_dir, 'sweep.md')} and {os.path.join(out_dir, 'sweep.png')}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
