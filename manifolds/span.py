@@ -20,8 +20,6 @@ c = R^(-1) x; V c then carries a rounding error of about eps ||c|| ||K||^(1/2) a
 `lift` reports, per matrix, whether that error is below 1e-3 of the signal; the caller solves
 such a bank on the full matrices instead (seen in training: an attention matrix at lr 0.2).
 """
-import contextlib
-
 import torch
 
 import kernels
@@ -128,20 +126,20 @@ class SpanReduction(StackedSpans):
         return super().lift(x)[0]
 
 
-def top_eigenvalue(S, iters, backend="torch", tf32=False):
+def top_eigenvalue(S, iters, backend="torch"):
     """Largest eigenvalue of symmetric PSD S (..., q, q) by power iteration on S^32.
 
     Five squarings, normalised as they go, make it converge like 32 x iters plain power steps:
     the top of a near-msign Gram is a tight cluster (within 1% needs a power in the hundreds).
     The Rayleigh quotient on S itself is a lower bound, tight once v is in the top cluster.
-    The squarings (S S^T = S^2: kernels.sym_product, upper tiles) only steer v, so with `tf32`
-    they read TF32 operands; the quotient is an fp32 matrix-vector product either way.
+    The squarings (S S^T = S^2: kernels.sym_product, upper tiles) only steer v: inside
+    kernels.tf32_products() they read TF32 operands; the quotient is a plain fp32
+    matrix-vector product either way.
     """
     power = S
     for _ in range(5):
         power = power / power.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
-        with kernels.tf32_products() if tf32 else contextlib.nullcontext():
-            power = kernels.sym_product(power, backend=backend)
+        power = kernels.sym_product(power, backend=backend)
     v = torch.ones(S.shape[:-1] + (1,), dtype=S.dtype, device=S.device)
     v[..., 0, :] = 2.0  # break symmetry with an all-ones vector that might be degenerate
     v = power_steps(power, v, iters, every=4)
