@@ -12,7 +12,7 @@
 #                                          each assignment (default the five presets) at each Muon lr
 #                                          (default 0.02 0.05 0.1) and seed (default 1 2 3), quick setting,
 #                                          in $RUNS_DIR/<spec>/lr<A>/seed<S>; then $RUNS_DIR/sweep.{md,png}:
-#                                          mean ± sd per cell, each at its best lr, Welch t-tests
+#                                          mean ± sd per cell, each at its best lr, Welch and paired t-tests
 #                                          (bench/sweep_report.py). The sweep sets --muon-lr and --seed
 #                                          per run (--seeds sets --seed): the train flags must not
 #   --jobs N (quick, paper, assign, sweep; or JOBS=N)

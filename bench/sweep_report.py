@@ -12,7 +12,9 @@ stabilizers, as in bench/report.py), muon_lr and seed. Writes sweep.md (and prin
   or did not finish are counted beside it, never averaged in;
 - each assignment at its best lr: the lowest mean among the lrs where every run completed;
 - pairwise Welch t-tests of the assignments at their best lrs: difference of means, t, the
-  Welch–Satterthwaite df, the two-sided p-value and a 95% confidence interval (bench/welch.py).
+  Welch–Satterthwaite df, the two-sided p-value and a 95% confidence interval (bench/welch.py);
+- the same pairs paired by seed (runs of one seed share initialisation and data order): the
+  paired t-test of the per-seed differences over the seeds both completed.
 """
 import argparse
 import math
@@ -22,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.report import find_runs  # noqa: E402
-from bench.welch import Welch  # noqa: E402
+from bench.welch import Paired, Welch  # noqa: E402
 from errors import UserError, run_cli  # noqa: E402
 
 LEVEL = 0.95  # of the confidence intervals
@@ -40,7 +42,9 @@ class Cell:
 
     def __init__(self, runs):
         self.runs = runs
-        self.values = [r.final_val() for r in runs if outcome(r) == "completed"]
+        done = [r for r in runs if outcome(r) == "completed"]
+        self.values = [r.final_val() for r in done]
+        self.by_seed = {r.config.get("seed"): r.final_val() for r in done}
         self.diverged = sum(outcome(r) == "diverged" for r in runs)
         self.unfinished = sum(outcome(r) == "unfinished" for r in runs)
         self.seeds = sorted(r.config.get("seed") for r in runs)
@@ -121,22 +125,46 @@ def best_table(table, best):
 
 
 def pairs(table, best):
-    """(a, b, Welch of a's best-lr values against b's) for every pair with a best lr, a before b."""
+    """(a, b) for every pair of assignments with a best lr, a before b."""
     ranked = [a for a in table if best[a] is not None]
-    return [(a, b, Welch(table[a][best[a]].values, table[b][best[b]].values, LEVEL))
-            for i, a in enumerate(ranked) for b in ranked[i + 1:]]
+    return [(a, b) for i, a in enumerate(ranked) for b in ranked[i + 1:]]
+
+
+def paired_by_seed(cell_a, cell_b):
+    """(seeds, Paired test) over the seeds both cells completed."""
+    seeds = sorted(set(cell_a.by_seed) & set(cell_b.by_seed))
+    return seeds, Paired([cell_a.by_seed[s] for s in seeds], [cell_b.by_seed[s] for s in seeds], LEVEL)
+
+
+def test_cells(test, diff):
+    """The table cells of a test: A − B, CI, t, df, p (or the reason there is none)."""
+    if test.problem:
+        return f"{diff:+.4f} | {test.problem} | | | "
+    return (f"{test.diff:+.4f} | [{test.low:+.4f}, {test.high:+.4f}] | {test.t:.2f} | {test.df:.1f} | "
+            f"{p_text(test.p)}")
 
 
 def pair_table(table, best):
     lines = ["| A | B | A − B | 95% CI of A − B | t | df | p (two-sided) |", "|---|---|---|---|---|---|---|"]
-    for a, b, w in pairs(table, best):
-        head = f"| `{a}` (lr {best[a]:g}) | `{b}` (lr {best[b]:g}) | "
-        if w.problem:
-            diff = table[a][best[a]].mean - table[b][best[b]].mean
-            lines.append(head + f"{diff:+.4f} | {w.problem} | | | |")
-        else:
-            lines.append(head + f"{w.diff:+.4f} | [{w.low:+.4f}, {w.high:+.4f}] | {w.t:.2f} | {w.df:.1f} | "
-                         f"{p_text(w.p)} |")
+    for a, b in pairs(table, best):
+        cell_a, cell_b = table[a][best[a]], table[b][best[b]]
+        welch = Welch(cell_a.values, cell_b.values, LEVEL)
+        lines.append(f"| `{a}` (lr {best[a]:g}) | `{b}` (lr {best[b]:g}) | "
+                     + test_cells(welch, cell_a.mean - cell_b.mean) + " |")
+    return "\n".join(lines)
+
+
+def paired_table(table, best):
+    lines = ["| A | B | seeds | mean of A − B | 95% CI | t | df | p (two-sided) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for a, b in pairs(table, best):
+        seeds, test = paired_by_seed(table[a][best[a]], table[b][best[b]])
+        if not seeds:
+            lines.append(f"| `{a}` | `{b}` | none in common | | | | | |")
+            continue
+        diff = statistics.fmean(table[a][best[a]].by_seed[s] - table[b][best[b]].by_seed[s] for s in seeds)
+        lines.append(f"| `{a}` (lr {best[a]:g}) | `{b}` (lr {best[b]:g}) | {', '.join(map(str, seeds))} | "
+                     + test_cells(test, diff) + " |")
     return "\n".join(lines)
 
 
@@ -162,8 +190,10 @@ def notes(table, best):
         "\"...\") and compare those.",
         "",
         "Welch's test treats the two groups as independent with unequal variances. Runs with the same "
-        "seed share the initialisation seed and data order across assignments, so a paired comparison "
-        "could be tighter; with few seeds, a p-value is a rough guide, not a verdict. A run that diverged "
+        "seed share the initialisation seed and data order across assignments, so the paired test "
+        "compares them seed by seed, which removes what the seed alone moves; it is tighter when that "
+        "part is large, and it assumes the per-seed differences are roughly normal. With few seeds a "
+        "p-value is a rough guide, not a verdict. A run that diverged "
         "or did not finish is counted in its cell, not averaged in; a cell with any such run is not "
         "eligible as a best lr.",
     ]
@@ -180,8 +210,12 @@ def markdown(runs, figure_name):
            best_table(table, best), "",
            f"Pairwise at the best lrs: Welch's t-test, two-sided, and the {LEVEL:.0%} confidence interval of "
            "the difference of means (negative: A has the lower loss):", ""]
-    out += [pair_table(table, best) if sum(b is not None for b in best.values()) > 1
-            else "(fewer than two assignments with a best lr: nothing to compare)"]
+    if sum(b is not None for b in best.values()) > 1:
+        out += [pair_table(table, best), "",
+                "Paired by seed at the same best lrs (the seeds both completed): the paired t-test of the "
+                "per-seed differences:", "", paired_table(table, best)]
+    else:
+        out += ["(fewer than two assignments with a best lr: nothing to compare)"]
     out += [""] + notes(table, best) + ["", f"![final val loss against Muon lr]({figure_name})", ""]
     return "\n".join(out)
 

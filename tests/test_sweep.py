@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from bench import sweep_report
-from bench.welch import Welch, betainc, t_cdf, t_quantile, t_two_sided_p
+from bench.welch import Paired, Welch, betainc, t_cdf, t_quantile, t_two_sided_p
 from test_run_sh import TINY, data_dir, run_sh  # noqa: F401 (data_dir: the fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,6 +83,25 @@ def test_welch_p_is_two_sided_with_welch_df_not_pooled():
     for wrong in (two_sided_p_by_integration(w.t, 18), two_sided_p_by_integration(w.t, w.df) / 2):
         assert abs(w.p - wrong) > 1e-4
     assert (round(w.low, 7), round(w.high, 7)) == (-3.3654832, 0.2054832)
+
+
+def test_paired_t_of_the_sleep_data():
+    # R: t.test(sleep$extra[1:10], sleep$extra[11:20], paired = TRUE): t = -4.0621, df = 9,
+    # p-value = 0.002833, 95 percent confidence interval: -2.4598858 -0.7001142 (Welch on the same
+    # data, unpaired: p = 0.07939, above)
+    g1 = [0.7, -1.6, -0.2, -1.2, -0.1, 3.4, 3.7, 0.8, 0.0, 2.0]
+    g2 = [1.9, 0.8, 1.1, 0.1, -0.1, 4.4, 5.5, 1.6, 4.6, 3.4]
+    t = Paired(g1, g2)
+    assert round(t.t, 4) == -4.0621 and t.df == 9 and t.diff == pytest.approx(-1.58, abs=1e-12)
+    assert t.p == pytest.approx(0.002833, abs=5e-7)
+    assert (round(t.low, 7), round(t.high, 7)) == (-2.4598858, -0.7001142)
+    # the order of the pairs does not matter; the pairing does
+    assert Paired(g1[::-1], g2[::-1]).t == pytest.approx(t.t, rel=1e-12)
+    assert abs(Paired(g1, g2[1:] + g2[:1]).t - t.t) > 1
+    assert Paired([1.0], [2.0]).problem == "needs at least 2 pairs (n = 1)"
+    assert "same amount" in Paired([1.0, 2.0], [2.0, 3.0]).problem
+    with pytest.raises(ValueError):
+        Paired([1.0, 2.0], [1.0])
 
 
 def test_welch_needs_two_runs_each_and_some_spread():
@@ -180,6 +199,14 @@ def test_sweep_report_of_a_synthetic_grid(tmp_path):
     assert pairs["hetero / all-stiefel"][2:] == ["-0.1000", f"[{-0.1 - half:+.4f}, {-0.1 + half:+.4f}]",
                                                  f"{-0.1 / se:.2f}", "4.0", f"{t_two_sided_p(-0.1 / se, 4):.3f}"]
     assert pairs["hetero / all-dgram"][2:4] == ["-0.3800", "needs at least 2 runs each (n = 3 and 1)"]
+    # paired by seed: hetero 4.10, 4.12, 4.14 against all-stiefel 4.20, 4.24, 4.22: differences
+    # -0.10, -0.12, -0.08, mean -0.1, sd 0.02, df 2
+    paired = {f"{name(r[0])} / {name(r[1])}": r for r in table(text, "| A | B | seeds |")}
+    se = 0.02 / math.sqrt(3)
+    half = t_quantile(0.975, 2) * se
+    assert paired["hetero / all-stiefel"][2:] == ["1, 2, 3", "-0.1000", f"[{-0.1 - half:+.4f}, {-0.1 + half:+.4f}]",
+                                                  f"{-0.1 / se:.2f}", "2.0", f"{t_two_sided_p(-0.1 / se, 2):.3f}"]
+    assert paired["hetero / all-dgram"][2:5] == ["1", "-0.4000", "needs at least 2 pairs (n = 1)"]
     assert "n = 1 to 3 run(s) (seeds) per assignment at its best lr, picked among 2 Muon lr(s)" in text
     assert "Selection:" in text and "biased" in text
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
