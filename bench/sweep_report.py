@@ -221,35 +221,62 @@ def markdown(runs, figure_name):
 
 
 def figure(runs, path):
+    """Left: final val loss against Muon lr per assignment (left out when the grid has one lr).
+    Right: each assignment at its best lr, mean ± sd with every seed's run as a dot."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     table = grid(runs)
-    fig, ax = plt.subplots(figsize=(8, 5.5), constrained_layout=True)
+    best = {a: best_lr(cells) for a, cells in table.items()}
+    lrs = sorted({lr for cells in table.values() for lr in cells})
+    panels = 2 if len(lrs) > 1 else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 5.5), constrained_layout=True, squeeze=False)
+    if panels == 2:
+        lr_panel(axes[0][0], table, lrs)
+    best_panel(axes[0][-1], table, best)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def lr_panel(ax, table, lrs):
+    import matplotlib
+
     for i, (assign, cells) in enumerate(table.items()):
         color = f"C{i % 10}"
         done = {lr: c for lr, c in cells.items() if c.values}
-        lrs = sorted(done)
-        ax.errorbar(lrs, [done[lr].mean for lr in lrs],
-                    yerr=[done[lr].sd if done[lr].n > 1 else 0.0 for lr in lrs],
+        done_lrs = sorted(done)
+        ax.errorbar(done_lrs, [done[lr].mean for lr in done_lrs],
+                    yerr=[done[lr].sd if done[lr].n > 1 else 0.0 for lr in done_lrs],
                     fmt="o-", color=color, capsize=4, label=assign)
-        for lr in lrs:  # each completed run, faintly
+        for lr in done_lrs:  # each completed run, faintly
             ax.plot([lr] * done[lr].n, done[lr].values, ".", color=color, alpha=0.35)
         for lr, c in cells.items():  # runs that did not complete: a mark at the bottom edge
             if c.diverged or c.unfinished:
                 ax.annotate(f"{c.diverged + c.unfinished}✗", (lr, 0), xycoords=("data", "axes fraction"),
                             color=color, ha="center", va="bottom", fontsize=8)
     ax.set_xscale("log")
-    lrs = sorted({lr for cells in table.values() for lr in cells})
     ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs])  # the grid's lrs as plain numbers
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set(xlabel="Muon lr", ylabel="final val loss (mean ± sd over seeds)",
            title="final val loss against Muon lr (✗: runs that diverged or did not finish)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+
+def best_panel(ax, table, best):
+    """Assignments with a best lr, lowest mean first."""
+    ranked = sorted((a for a in table if best[a] is not None), key=lambda a: table[a][best[a]].mean)
+    colors = {a: f"C{i % 10}" for i, a in enumerate(table)}  # the same colour as in the lr panel
+    for x, assign in enumerate(ranked):
+        cell = table[assign][best[assign]]
+        ax.errorbar([x], [cell.mean], yerr=[cell.sd if cell.n > 1 else 0.0], fmt="s", color=colors[assign],
+                    capsize=6, markersize=7)
+        ax.plot([x] * cell.n, cell.values, "o", color=colors[assign], alpha=0.4, markersize=4)
+    ax.set_xticks(range(len(ranked)), [f"{a}\n(lr {best[a]:g}, n={table[a][best[a]].n})" for a in ranked],
+                  rotation=30, ha="right", fontsize=8)
+    ax.set(ylabel="final val loss", title="each assignment at its best lr: mean ± sd, dots: seeds")
+    ax.grid(alpha=0.3, axis="y")
 
 
 def write_sweep_report(runs_dir, out_dir=None):
