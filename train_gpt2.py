@@ -32,6 +32,7 @@ from data.progress import require_finished
 from data.shards import ShardError, ShardReader
 from errors import UserError, WriteError, run_cli, write_error
 from kernels import BACKENDS as KERNEL_BACKENDS, check_backend
+from kernels.logit_max import causal_logit_max
 from training.checkpoints import (checkpoint_path, load_checkpoint, load_newest, save_atomic, save_checkpoint,
                                   write_text_atomic)
 from training.auto_assign import AutoAssign
@@ -502,14 +503,11 @@ class CausalSelfAttention(nn.Module):
     @torch.no_grad()
     def _track(self, q, k):
         """logit_max[h] <- max(logit_max[h], max over batch and causal pairs of the logit the
-        softmax sees), in fp32: what QK-Clip compares with tau. One sequence at a time, so the
-        extra memory is H T^2 floats."""
-        T = q.size(-2)
-        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-        with torch.autocast(q.device.type, enabled=False):
-            for b in range(q.size(0)):
-                logits = self.cap(self.raw_logits(q[b].float(), k[b].float())).masked_fill(future, -float("inf"))
-                self.logit_max.copy_(torch.maximum(self.logit_max, logits.amax(dim=(-2, -1))))
+        softmax sees), in fp32: what QK-Clip compares with tau. causal_logit_max
+        (kernels/logit_max.py; fused on a GPU: no T x T logits in memory) finds the raw maximum
+        of q . k; the scale and the cap are increasing, so they apply to the maximum."""
+        raw = causal_logit_max(q, k)
+        self.logit_max.copy_(torch.maximum(self.logit_max, self.cap(raw / self.d_head ** 0.5)))
 
 
 class MLP(nn.Module):

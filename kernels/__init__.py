@@ -10,6 +10,8 @@ Every function takes `backend` and this dispatch alone decides which products ru
     "auto"    "triton" for CUDA tensors of a dtype the kernels take, "torch" otherwise
 
 The algorithms (matrix_sign.py, tangent.py) are written once over those products.
+logit_max.py (QK-Clip's per-head causal maximum of q . k, training/qk_clip.py) has its own
+Triton kernel and torch twin under the same backends.
 """
 import torch
 

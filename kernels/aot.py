@@ -142,36 +142,49 @@ def signature(kernel, arg_names, constexpr_names, dtype, flags):
 
 def build(spec):
     """Compile one job (see `job`) and return it with the build's figures, or its error."""
-    import triton
-    from triton.backends.compiler import GPUTarget
     from kernels import products_triton as pt
-    result = dict(spec)
     fn = pt._jit[spec["kernel"]]
-    if not isinstance(fn, triton.runtime.jit.JITFunction):
-        raise RuntimeError("kernels/aot.py: the kernels were imported under TRITON_INTERPRET")
     config = spec["config"]
     sig, constexprs, attrs = signature(spec["kernel"], fn.arg_names, {fn.arg_names[i] for i in fn.constexprs},
                                        spec["dtype"], spec["flags"])
     constexprs.update(spec["flags"], CAST_FP32=False, PRECISION=spec["precision"], **config["kwargs"])
+    return dict(spec, **compile_for_target(fn, sig, constexprs, attrs, spec["target"], config["num_warps"],
+                                           config["num_stages"]))
+
+
+def build_function(spec):
+    """Compile any @triton.jit function: spec = dict(module, function, signature, constexprs,
+    attrs, target, num_warps, num_stages), as triton.compiler.ASTSource takes them."""
+    import importlib
+    fn = getattr(importlib.import_module(spec["module"]), spec["function"])
+    return dict(spec, **compile_for_target(fn, spec["signature"], dict(spec["constexprs"]), spec.get("attrs", {}),
+                                           spec["target"], spec["num_warps"], spec["num_stages"]))
+
+
+def compile_for_target(fn, sig, constexprs, attrs, target, num_warps, num_stages):
+    """{ok, shared, seconds, triton, regs, spill_stores, spill_loads, stack} of one build of `fn`
+    for `target`, or {ok: False, error, reason, traceback, seconds}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    if not isinstance(fn, triton.runtime.jit.JITFunction):
+        raise RuntimeError("kernels/aot.py: the kernels were imported under TRITON_INTERPRET")
     log = io.StringIO()
     start = time.perf_counter()
     try:
         with contextlib.redirect_stdout(log):  # ptxas's log is printed
             compiled = triton.compile(
                 triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                target=GPUTarget("cuda", TARGETS[spec["target"]], 32),
-                options={"num_warps": config["num_warps"], "num_stages": config["num_stages"]})
+                target=GPUTarget("cuda", TARGETS[target], 32),
+                options={"num_warps": num_warps, "num_stages": num_stages})
     except Exception as err:  # noqa: BLE001 -- reported per build, the caller decides
         chain = []  # a CompilationError points at the call; its causes at the faulty line
         while err is not None and len(chain) < 8:
             chain.append(f"{type(err).__name__}: {err}")
             err = err.__cause__ or err.__context__
-        result.update(ok=False, error="\n".join(chain), reason=chain[-1].strip().splitlines()[-1],
-                      traceback=traceback.format_exc(), seconds=time.perf_counter() - start)
-        return result
-    result.update(ok=True, shared=compiled.metadata.shared, seconds=time.perf_counter() - start,
-                  triton=triton.__version__, **_ptxas_figures(log.getvalue()))
-    return result
+        return dict(ok=False, error="\n".join(chain), reason=chain[-1].strip().splitlines()[-1],
+                    traceback=traceback.format_exc(), seconds=time.perf_counter() - start)
+    return dict(ok=True, shared=compiled.metadata.shared, seconds=time.perf_counter() - start,
+                triton=triton.__version__, **_ptxas_figures(log.getvalue()))
 
 
 # ----------------------------------------------------------------------------------------
@@ -190,15 +203,16 @@ def _without_interpreter():
             os.environ["TRITON_INTERPRET"] = saved
 
 
-def run(jobs, n_jobs=2, progress=None):
-    """Build `jobs` in `n_jobs` spawned worker processes; results in the order of `jobs`.
-    `progress(done, total, result)` is called as each build finishes."""
+def run(jobs, n_jobs=2, progress=None, builder=build):
+    """Build `jobs` in `n_jobs` spawned worker processes with `builder` (build: the products'
+    jobs; build_function: any kernel's); results in the order of `jobs`. `progress(done,
+    total, result)` is called as each build finishes."""
     results = [None] * len(jobs)
     with tempfile.TemporaryDirectory(prefix="triton-aot-") as cache_dir:
         with ProcessPoolExecutor(max_workers=max(1, n_jobs), mp_context=get_context("spawn"),
                                  initializer=_worker_init, initargs=(cache_dir,)) as pool:
             with _without_interpreter():  # workers start as jobs are submitted
-                futures = {pool.submit(build, spec): i for i, spec in enumerate(jobs)}
+                futures = {pool.submit(builder, spec): i for i, spec in enumerate(jobs)}
             for done, future in enumerate(as_completed(futures), 1):
                 results[futures[future]] = result = future.result()
                 if progress:

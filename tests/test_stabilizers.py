@@ -166,3 +166,29 @@ def test_qk_clip_shows_in_diagnostics_and_survives_a_resume(data_dir, tmp_path_f
     from training.model_io import load_model
     model = load_model(torch.load(straight / "ckpt_00000008.pt", weights_only=False))
     assert model.cfg.attn_softcap == 20.0 and model.blocks[0].attn.softcap == 20.0
+
+
+def test_qk_clip_tracks_the_logit_the_softmax_sees_with_and_without_a_cap():
+    # the training forward's per-head maxima (kernels.causal_logit_max, then scale and cap) against
+    # every head's explicit capped logits in float64, from each layer's captured input
+    for flags in ([], ["--attn-softcap", "2"]):
+        model, _, _ = build("unconstrained", *flags, scale=30.0)
+        inputs = []
+        for block in model.blocks:
+            block.attn.track_logits = True
+            block.attn.logit_max.fill_(-float("inf"))
+            block.attn.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach()))
+        model.train()
+        with torch.no_grad():
+            model(tokens(), tokens())
+        for block, x in zip(model.blocks, inputs):
+            attention = block.attn
+            q, k, _ = attention.heads(attention.c_attn(x))
+            logits = q.double() @ k.double().mT / attention.d_head ** 0.5
+            if attention.softcap:
+                logits = attention.softcap * torch.tanh(logits / attention.softcap)
+            T = x.size(1)
+            expected = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -float("inf")).amax(dim=(0, 2, 3))
+            torch.testing.assert_close(attention.logit_max.double(), expected, rtol=1e-5, atol=1e-6)
+        if flags:
+            assert max(block.attn.logit_max.max().item() for block in model.blocks) <= 2.0
