@@ -30,9 +30,18 @@ def causal_logit_max_torch(q, k):
 
 def causal_logit_max(q, k, backend="auto"):
     """The per-head maximum of causal_logit_max_torch, by `backend` (kernels.BACKENDS): "triton"
-    (CUDA tensors, or the interpreter), "torch", or "auto" (triton on CUDA)."""
-    from kernels import TRITON_DTYPES, BackendError, check_backend
+    (CUDA tensors, or the interpreter), "torch", or "auto" (triton on CUDA).
+
+    A torch custom op: torch.compile sees one opaque op with a known output shape, so a compiled
+    model's attention neither breaks its graph here nor traces into the kernel launch."""
+    from kernels import check_backend
     check_backend(backend, q.device)
+    return _causal_logit_max_op(q, k, backend)
+
+
+@torch.library.custom_op("manifold_muon::causal_logit_max", mutates_args=())
+def _causal_logit_max_op(q: torch.Tensor, k: torch.Tensor, backend: str) -> torch.Tensor:
+    from kernels import TRITON_DTYPES, BackendError
     if backend == "auto" and not (q.is_cuda and q.dtype in TRITON_DTYPES):
         backend = "torch"
     if backend == "torch":
@@ -46,3 +55,8 @@ def causal_logit_max(q, k, backend="auto"):
             return causal_logit_max_torch(q, k)
         raise
     return logit_max_triton.causal_logit_max(q, k)
+
+
+@_causal_logit_max_op.register_fake
+def _(q, k, backend):
+    return q.new_empty((q.size(1),), dtype=torch.float32)

@@ -76,3 +76,21 @@ def test_the_kernel_compiles_for_both_gpus():
     for result in results:
         assert result["ok"], f"{result['target']} {result['dtype']}: {result.get('error')}"
         assert result["spill_stores"] == 0, result
+
+
+def test_a_compiled_attention_tracks_the_same_maximum_without_a_graph_break():
+    # --compile --qk-clip: the custom op keeps the compiled forward one graph (fullgraph raises on
+    # a break) and gives the eager maximum (inductor on CPU here)
+    import train_gpt2
+    torch.manual_seed(0)
+    attention = train_gpt2.CausalSelfAttention(train_gpt2.GPTConfig(1, 2, 32, 16, 64)).train()
+    attention.track_logits = True
+    x = torch.randn(2, 16, 32)
+    maxima = []
+    for module in (attention, torch.compile(attention, fullgraph=True)):
+        attention.logit_max.fill_(-float("inf"))
+        with torch.no_grad():
+            module(x)
+        maxima.append(attention.logit_max.clone())
+    assert torch.isfinite(maxima[0]).all()
+    torch.testing.assert_close(maxima[1], maxima[0], rtol=1e-6, atol=1e-6)
