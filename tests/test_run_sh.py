@@ -127,11 +127,12 @@ def test_ctrl_c_stops_the_ablation_and_a_rerun_resumes(jobs, data_dir, tmp_path)
     while not first.exists():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.05)
-    # which runs had started, and finished, when Ctrl-C came: a slow start of hetero can let unconstrained
-    # finish and the next one start before it (seen once on a fresh venv), so the test reads them, not guesses
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+    # which runs had started, and finished, when Ctrl-C came, read right after it: unconstrained can
+    # finish and the next run start before hetero's checkpoint (seen on a fresh venv and on an idle
+    # CI machine), and a snapshot taken before the signal races with that start
     started = {name for name in specs if (tmp_path / "runs" / name).exists()}
     finished = {name for name in started if (tmp_path / "runs" / name / "summary.json").exists()}
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 4, out[-2000:] + err[-2000:]
     assert "hetero: interrupted" in out
