@@ -114,7 +114,7 @@ fi
 shards=$!
 
 # --- steps -------------------------------------------------------------------------------------
-PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider --timeout 60 -rfE --durations=5 ${TESTS[@]+"${TESTS[@]}"})
+PYTEST=("$PYTHON" -m pytest -q -o addopts= -p no:cacheprovider --timeout 60 -rfE --durations=5 ${TESTS[@]+"${TESTS[@]}"})
 aot=
 if [[ -f tests/test_aot_compile.py ]]; then  # CPU builds (2 workers): beside the GPU tests, output held back
     STEP_LOG=$WORK/aot.held step aot 100 "${PYTEST[@]}" tests/test_aot_compile.py > /dev/null &
