@@ -52,21 +52,24 @@ def check_backend(backend, device):
             "use backend 'auto' or 'torch' instead")
 
 
-def products_for(backend, *tensors):
-    """The products module (`products_torch` or `products_triton`) that runs `tensors`."""
+def triton_selected(backend, *tensors):
+    """Does `backend` run `tensors` on the Triton kernels (True) or on the torch twins (False)?
+    Raises BackendError where it cannot run them at all (see the module docstring)."""
     device = tensors[0].device
     check_backend(backend, device)
     if backend == "torch":
-        return products_torch
+        return False
     dtype = tensors[0].dtype
-    if backend == "auto":
-        if device.type != "cuda" or dtype not in TRITON_DTYPES:
-            return products_torch
-        module, _ = _triton_products()
-        return module or products_torch
+    if backend == "auto":  # CUDA without a usable Triton: the torch twins still run
+        return device.type == "cuda" and dtype in TRITON_DTYPES and _triton_products()[0] is not None
     if dtype not in TRITON_DTYPES:
         raise BackendError(f"kernel backend 'triton' takes {', '.join(map(str, TRITON_DTYPES))}, got {dtype}")
-    return _triton_products()[0]
+    return True
+
+
+def products_for(backend, *tensors):
+    """The products module (`products_torch` or `products_triton`) that runs `tensors`."""
+    return _triton_products()[0] if triton_selected(backend, *tensors) else products_torch
 
 
 def msign(X, steps=5, polish_steps=0, backend="auto"):

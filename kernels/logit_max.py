@@ -34,26 +34,15 @@ def causal_logit_max(q, k, backend="auto"):
 
     A torch custom op: torch.compile sees one opaque op with a known output shape, so a compiled
     model's attention neither breaks its graph here nor traces into the kernel launch."""
-    from kernels import check_backend
-    check_backend(backend, q.device)
     return _causal_logit_max_op(q, k, backend)
 
 
 @torch.library.custom_op("manifold_muon::causal_logit_max", mutates_args=())
 def _causal_logit_max_op(q: torch.Tensor, k: torch.Tensor, backend: str) -> torch.Tensor:
-    from kernels import TRITON_DTYPES, BackendError
-    if backend == "auto" and not (q.is_cuda and q.dtype in TRITON_DTYPES):
-        backend = "torch"
-    if backend == "torch":
+    from kernels import triton_selected  # the same dispatch as the optimizer's products
+    if not triton_selected(backend, q):
         return causal_logit_max_torch(q, k)
-    if q.dtype not in TRITON_DTYPES:
-        raise BackendError(f"kernel backend 'triton' takes {', '.join(map(str, TRITON_DTYPES))}, got {q.dtype}")
-    try:
-        from kernels import logit_max_triton
-    except ImportError:
-        if backend == "auto":  # CUDA without a usable Triton: the reference still runs
-            return causal_logit_max_torch(q, k)
-        raise
+    from kernels import logit_max_triton
     return logit_max_triton.causal_logit_max(q, k)
 
 
