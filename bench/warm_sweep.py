@@ -3,12 +3,20 @@
     OMP_NUM_THREADS=1 python bench/warm_sweep.py
     OMP_NUM_THREADS=1 python bench/warm_sweep.py --penalties 0.1 --iterations 4 --clip polynomial \
         --precision fp32 tf32 bf16         (the inner iterations' precision, as a GPU runs them)
+    OMP_NUM_THREADS=1 python bench/warm_sweep.py --penalties 0.1 --iterations 4 --clip polynomial \
+        --precision tf32 --clip-msign minimax polar-express   (the clip's matrix signs)
 
 For a 768x256 Stiefel and a 1024x256 DGram matrix and 4 drifting momentum-like gradients, runs
 the solver step after step (each warm-started from the one before, as the optimizer does) for
 every penalty x over-relaxation x iteration budget, and prints the last step's direction
 quality against the float64 optimum (tests/reference.py); then the cold-start quality of a
 few penalties (the first step of a run has no warm start).
+
+With --momenta FILE (bench/dump_momenta.py: weights and momenta recorded from a training run)
+the cases are real instead: each window of consecutive recorded steps is replayed through
+solve_tall_banks as the optimizer runs it (every bank, warm starts chained, the first step of a
+window cold), and each cell is the worst and the mean quality over the constrained matrices of a
+bank at the window's last step. The float64 optima are cached in FILE.optima.pt.
 """
 import argparse
 import os
@@ -21,7 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from bench.optimizer import momentum_like  # noqa: E402
 from manifolds import project_to_manifold  # noqa: E402
-from manifolds.dual import SolverOptions, solve_tall  # noqa: E402
+from manifolds.dual import SolverOptions, solve_tall, solve_tall_banks  # noqa: E402
 from reference import optimum, quality  # noqa: E402
 
 
@@ -34,7 +42,12 @@ def main():
                     help="ADMM's clip (auto = eigh on this CPU; polynomial is what a GPU runs)")
     ap.add_argument("--precision", nargs="+", default=["fp32"], choices=("fp32", "tf32", "bf16"),
                     help="the inner iterations' precision (tf32 emulated on CPU), each a row")
+    ap.add_argument("--clip-msign", nargs="+", default=["minimax"], choices=("minimax", "polar-express"),
+                    help="the polynomial clip's matrix signs (SolverOptions.clip_msign), each a row")
+    ap.add_argument("--momenta", default=None, help="replay real momenta from bench/dump_momenta.py")
     args = ap.parse_args()
+    if args.momenta:
+        return replay(args)
     g = torch.Generator().manual_seed(1)
     cases = []
     for p, q, manifold in [(768, 256, "stiefel"), (1024, 256, "dgram")]:
@@ -44,26 +57,84 @@ def main():
         opt, _ = optimum(W[0].double(), Gs[-1][0].double(), manifold, iters=800)
         cases.append((W, Gs, manifold, opt))
     names = [f"{m} {it} it." for it in args.iterations for _, _, m, _ in cases]
-    print(f"warm, the 4th step, clip {args.clip}:  penalty relax precision | " + " | ".join(names))
-    rows = [(penalty, relax, precision) for penalty in args.penalties for relax in args.relax for precision in args.precision]
-    for penalty, relax, precision in rows:
+    print(f"warm, the 4th step, clip {args.clip}:  penalty relax precision clip-msign | " + " | ".join(names))
+    for penalty, relax, precision, clip_msign in setting_rows(args):
         row = []
         for it in args.iterations:
             for W, Gs, manifold, opt in cases:
                 opts = SolverOptions(admm_steps=it, tol=0, admm_rho_warm=penalty, admm_relax=relax,
-                                     clip=args.clip, precision=precision, capturable=True)
+                                     clip=args.clip, precision=precision, capturable=True, clip_msign=clip_msign)
                 state = None
                 for G in Gs:
                     solution = solve_tall(W, G, manifold, state, opts)
                     state = solution.state
                 row.append(quality(W[0].double(), Gs[-1][0].double(), solution.A[0].double(), opt))
-        print(f"{penalty:7.3f} {relax:5.2f} {precision} | " + " | ".join(f"{x:.4f}" for x in row), flush=True)
+        print(f"{penalty:7.3f} {relax:5.2f} {precision} {clip_msign} | " + " | ".join(f"{x:.4f}" for x in row),
+              flush=True)
     print("cold (first step, 6 iterations):  penalty | " + " | ".join(m for _, _, m, _ in cases))
     for penalty in args.penalties:
         row = [quality(W[0].double(), Gs[-1][0].double(),
                        solve_tall(W, Gs[-1], m, None, SolverOptions(admm_steps=3, tol=0, admm_rho=penalty)).A[0].double(),
                        opt) for W, Gs, m, opt in cases]
         print(f"{penalty:7.3f} | " + " | ".join(f"{x:.4f}" for x in row), flush=True)
+
+
+def setting_rows(args):
+    return [(penalty, relax, precision, clip_msign) for penalty in args.penalties for relax in args.relax
+            for precision in args.precision for clip_msign in args.clip_msign]
+
+
+def windows(steps):
+    """Indices of the recorded steps grouped into runs of consecutive steps."""
+    groups = []
+    for i, step in enumerate(steps):
+        if groups and step == steps[groups[-1][-1]] + 1:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def replay(args):
+    record = torch.load(args.momenta)
+    cache_path = args.momenta + ".optima.pt"
+    optima = torch.load(cache_path) if os.path.exists(cache_path) else {}
+    cases = []  # (label, [banks of each step], {(bank, matrix): optimum})
+    for window in windows(record["steps"]):
+        steps = [record["banks"][i] for i in window]
+        last = record["steps"][window[-1]]
+        targets = {}
+        for b, (_, manifold, W, G) in enumerate(steps[-1]):
+            if manifold == "none":
+                continue
+            for m in range(W.size(0)):
+                key = (last, b, m)
+                if key not in optima:
+                    optima[key] = optimum(W[m].double(), G[m].double(), manifold, iters=800)[0]
+                    torch.save(optima, cache_path)
+                targets[(b, m)] = optima[key]
+        cases.append((last, steps, targets))
+    names = [f"step {last} {steps[-1][b][1]} {'x'.join(map(str, steps[-1][b][2].shape[1:]))}"
+             for last, steps, targets in cases for b in sorted({b for b, _ in targets})]
+    print(f"real momenta ({args.momenta}), warm-started through each window, clip {args.clip}; worst / mean "
+          "quality of a bank's matrices:  penalty relax precision clip-msign iterations | " + " | ".join(names))
+    for penalty, relax, precision, clip_msign in setting_rows(args):
+        for it in args.iterations:
+            opts = SolverOptions(admm_steps=it, tol=0, admm_rho_warm=penalty, admm_relax=relax, clip=args.clip,
+                                 precision=precision, capturable=True, clip_msign=clip_msign)
+            cells = []
+            for _, steps, targets in cases:
+                states = [None] * len(steps[0])
+                for banks in steps:
+                    solutions = solve_tall_banks([(W, G, manifold, state) for (_, manifold, W, G), state
+                                                  in zip(banks, states)], opts)
+                    states = [solution.state for solution in solutions]
+                for b in sorted({b for b, _ in targets}):
+                    _, _, W, G = steps[-1][b]
+                    values = [quality(W[m].double(), G[m].double(), solutions[b].A[m].double(), targets[(b, m)])
+                              for bb, m in targets if bb == b]
+                    cells.append(f"{min(values):.4f} / {sum(values) / len(values):.4f}")
+            print(f"{penalty:7.3f} {relax:5.2f} {precision} {clip_msign} {it} | " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

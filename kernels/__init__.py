@@ -72,15 +72,17 @@ def products_for(backend, *tensors):
     return _triton_products()[0] if triton_selected(backend, *tensors) else products_torch
 
 
-def msign(X, steps=5, polish_steps=0, backend="auto"):
-    """Polar factor U V^T of X (..., m, n), either orientation: `steps` Polar Express
-    iterations, then `polish_steps` Newton-Schulz ones (see matrix_sign.py)."""
-    return matrix_sign.msign(X, steps, polish_steps, products_for(backend, X))
+def msign(X, steps=5, polish_steps=0, backend="auto", schedule=None):
+    """Polar factor U V^T of X (..., m, n), either orientation: `steps` iterations of
+    `schedule` (default Polar Express; matrix_sign.CLIP_SCHEDULE for ADMM's spectral clip),
+    then `polish_steps` Newton-Schulz ones (see matrix_sign.py)."""
+    return matrix_sign.msign(X, steps, polish_steps, products_for(backend, X), schedule)
 
 
-def orthonormalize_near(X, steps=3, backend="auto"):
-    """Polar factor of an X already close to orthonormal, by `steps` Newton-Schulz iterations."""
-    return matrix_sign.orthonormalize_near(X, steps, products_for(backend, X))
+def orthonormalize_near(X, steps=3, backend="auto", tf32_correction=False):
+    """Polar factor of an X already close to orthonormal, by `steps` Newton-Schulz iterations
+    (tf32_correction: their small correction products at TF32, see matrix_sign.py)."""
+    return matrix_sign.orthonormalize_near(X, steps, products_for(backend, X), tf32_correction)
 
 
 def tangent_residual(W, A, manifold, backend="auto", with_norm=False):
@@ -93,9 +95,10 @@ def preconditioned(W, A, manifold, d2, alpha=1.0, backend="auto"):
     return tangent.preconditioned(W, A, manifold, d2, alpha, products_for(backend, W, A))
 
 
-def tangent_projection(W, A, manifold, d2, backend="auto"):
-    """A - W P(W^T A + A^T W) / (d_i^2 + d_j^2): the projection onto the tangent space at W."""
-    return tangent.tangent_projection(W, A, manifold, d2, products_for(backend, W, A))
+def tangent_projection(W, A, manifold, d2, backend="auto", tf32_correction=False):
+    """A - W P(W^T A + A^T W) / (d_i^2 + d_j^2): the projection onto the tangent space at W
+    (tf32_correction: the product W M at TF32, for A tangent up to rounding; tangent.py)."""
+    return tangent.tangent_projection(W, A, manifold, d2, products_for(backend, W, A), tf32_correction)
 
 
 def dual_update(Lambda, H, M, manifold, d2, step, backend="auto"):

@@ -5,9 +5,23 @@ X normalised so that every singular value lies in (0, 1]:
 
     X <- a X + (b S + c S^2) X,    S = X X^T   (wide orientation, so S is the small Gram)
 
-Polar Express coefficients drive all singular values in [~1e-3, 1] into a band around 1 in five
-steps; a few Newton-Schulz steps (a, b, c) = (1.5, -0.5, 0) then polish them to 1 with quadratic
-convergence. The polish is what makes a result fp32-accurate.
+The normalisation divides by ||S||_F^(1/2) = (sum_i s_i^4)^(1/4), an upper bound on the largest
+singular value s_1 that is never looser than ||X||_F = (sum_i s_i^2)^(1/2) and far tighter when
+many singular values are comparable (a flat spectrum of n values: n^(1/4) s_1 against n^(1/2) s_1):
+the small singular values start nearer 1 and fewer steps reach it. S is the Gram the first step
+needs anyway, so the bound costs no product.
+
+Schedules of (a, b, c), each step's polynomial the minimax approximation of 1 on the interval
+the previous steps left (Polar Express):
+- POLAR_EXPRESS, for any input: five steps drive all singular values in [~1e-3, 1] into a band
+  around 1; a few Newton-Schulz steps (a, b, c) = (1.5, -0.5, 0) then polish them to 1 with
+  quadratic convergence. The polish is what makes a result fp32-accurate.
+- CLIP_SCHEDULE, for inputs whose singular values, after the normalisation, are >= CLIP_LOWER =
+  0.02 (the spectral clip's two signs in ADMM, manifolds/dual.py): five steps take [0.02, 1] to
+  within 1e-10 of 1 where POLAR_EXPRESS and its polish spend seven on a range they do not need.
+  Smaller singular values are not lost, only left short of 1 (each step multiplies them by its
+  a; one at 0.01 ends at 0.988). `minimax_schedule` computes such schedules;
+  tests/test_kernels.py checks these coefficients against it.
 
 `ops` is the module of products that computes a step: `products_torch` (separate torch ops, the
 reference) or `products_triton` (fused kernels). One step is three products:
@@ -17,6 +31,8 @@ reference) or `products_triton` (fused kernels). One step is three products:
     X <- a X + B X             matmul_add(B, X, X, 1, a)     the identity term in the epilogue
 """
 import torch
+
+from kernels.precision import tf32_products
 
 # Polar Express (5 steps, tuned for inputs normalised by 1.02 * ||X||_F).
 POLAR_EXPRESS = (
@@ -28,6 +44,18 @@ POLAR_EXPRESS = (
 )
 # Classic cubic Newton-Schulz: f(s) = 1.5 s - 0.5 s^3, fixed point s = 1, f'(1) = 0.
 NEWTON_SCHULZ = (1.5, -0.5, 0.0)
+# minimax_schedule(CLIP_LOWER, 5): after step k every singular value of [0.02, 1] lies within
+# 0.846, 0.513, 0.093, 5.1e-4, 8.1e-11 of 1
+CLIP_LOWER = 0.02
+CLIP_SCHEDULE = (
+    (7.710969245868, -22.113754790481, 16.248743017738),
+    (3.215275987308, -2.411172010256, 0.501300013615),
+    (2.218307752424, -1.593989622916, 0.410747887511),
+    (1.884209319102, -1.260194949471, 0.376020948699),
+    (1.875000270375, -1.250000300646, 0.375000030271),
+)
+# ||S||_F^(1/2) is an exact bound; 1% covers the rounding of S (TF32 operands: ~1e-3 relative)
+BOUND_SAFETY = 1.01
 
 
 def polar_express_coefficients(steps):
@@ -35,41 +63,89 @@ def polar_express_coefficients(steps):
     return [POLAR_EXPRESS[min(i, len(POLAR_EXPRESS) - 1)] for i in range(steps)]
 
 
-def polynomial_step(X, a, b, c, ops):
-    """One step X <- a X + (b S + c S^2) X with S = X X^T; X is wide (rows <= cols)."""
+def minimax_schedule(lower, steps):
+    """[(a, b, c)] of `steps` odd quintics, each the minimax approximation of 1 on the interval
+    [l, u] the steps before it leave (start: [lower, 1]), and the largest distance from 1 after
+    each step. Remez exchange on four alternation points: the ends and the two interior extrema
+    of p(x) = a x + b x^3 + c x^5 (p'(x) = 0 is a quadratic in x^2). Once the interval is within
+    1e-3 of 1 the minimax polynomial is the limit (15 x - 10 x^3 + 3 x^5) / 8, whose error there
+    is of order (u - l)^3."""
+    import numpy as np
+    schedule, errors, l, u = [], [], lower, 1.0
+    for _ in range(steps):
+        if u - l < 1e-3:
+            a, b, c = 1.875, -1.25, 0.375
+        else:
+            xs = np.array([l, l + 0.25 * (u - l), l + 0.75 * (u - l), u])
+            for _ in range(100):
+                system = np.stack([xs, xs ** 3, xs ** 5, (-1.0) ** np.arange(4)], axis=1)
+                a, b, c, _ = np.linalg.solve(system, np.ones(4))
+                roots = np.roots([5 * c, 3 * b, a])
+                inner = sorted(np.sqrt(r.real) for r in roots if abs(r.imag) < 1e-12 and l ** 2 < r.real < u ** 2)
+                if len(inner) != 2 or np.allclose(inner, xs[1:3], rtol=1e-15, atol=0):
+                    break
+                xs = np.array([l, *inner, u])
+        grid = np.linspace(l, u, 100001)
+        values = a * grid + b * grid ** 3 + c * grid ** 5
+        error = float(np.abs(1 - values).max())
+        schedule.append((float(a), float(b), float(c)))
+        errors.append(error)
+        l, u = 1 - error, 1 + error
+    return schedule, errors
+
+
+def normalized(X, ops):
+    """(X / bound, S = X X^T of the result) for wide X, with bound >= its largest singular
+    value: ||S||_F^(1/2) (see the module docstring). X is first scaled to unit Frobenius norm so
+    that S is in range in any dtype; a zero matrix stays zero."""
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-12)
+    S = ops.sym_product(X)
+    # ||S||_F >= 1 / sqrt(rows) for a unit X: the clamp acts on zero matrices only
+    bound = (S.norm(dim=(-2, -1), keepdim=True).sqrt() * BOUND_SAFETY).clamp_min(1e-15)
+    return X / bound, S / bound.square()
+
+
+def polynomial_step(X, S, a, b, c, ops):
+    """One step X <- a X + (b S + c S^2) X, S = X X^T given; X is wide (rows <= cols)."""
     if c == 0.0:
-        B = ops.sym_product(X, alpha=b)                # b S
-    else:
-        S = ops.sym_product(X)
-        B = ops.sym_product(S, alpha=c, C=S, beta=b)   # c S S^T + b S
+        return ops.matmul_add(S, X, X, alpha=b, beta=a)   # a X + b S X
+    B = ops.sym_product(S, alpha=c, C=S, beta=b)           # c S S^T + b S
     return ops.matmul_add(B, X, X, alpha=1.0, beta=a)
 
 
-def msign(X, steps, polish_steps, ops):
+def msign(X, steps, polish_steps, ops, schedule=None):
     """Polar factor of X (..., m, n), either orientation, computed in X's dtype.
 
-    `steps` Polar Express iterations from a Frobenius normalisation, then `polish_steps`
-    Newton-Schulz iterations. Zero matrices map to zero.
+    `steps` steps of `schedule` (default POLAR_EXPRESS; its last triple repeats), then
+    `polish_steps` Newton-Schulz iterations, from the normalisation above. Zero matrices map
+    to zero.
     """
     transpose = X.size(-2) > X.size(-1)
     if transpose:
         X = X.mT
-    # ||X||_op <= ||X||_F, so every singular value of the scaled X is <= 1/1.02.
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-12)
-    for a, b, c in polar_express_coefficients(steps):
-        X = polynomial_step(X, a, b, c, ops)
-    for _ in range(polish_steps):
-        X = polynomial_step(X, *NEWTON_SCHULZ, ops)
+    schedule = POLAR_EXPRESS if schedule is None else schedule
+    coefficients = [schedule[min(i, len(schedule) - 1)] for i in range(steps)] + [NEWTON_SCHULZ] * polish_steps
+    X, S = normalized(X, ops)
+    for i, (a, b, c) in enumerate(coefficients):
+        if i > 0:
+            S = ops.sym_product(X)
+        X = polynomial_step(X, S, a, b, c, ops)
     return X.mT if transpose else X
 
 
-def orthonormalize_near(X, steps, ops):
+def orthonormalize_near(X, steps, ops, tf32_correction=False):
     """Polar factor of an X that is already close to orthonormal (singular values near 1).
 
     No Frobenius normalisation (it would push singular values to 1/sqrt(n) and cost many
     iterations): Newton-Schulz converges quadratically from s in (0, sqrt(3)). To stay inside
     that basin for inputs further away, X is scaled by 1/sqrt(1 + ||S - I||_F) when the bound
     s_max^2 <= 1 + ||S - I||_F could exceed 2.
+
+    A step is X <- 1.5 X - 0.5 S X = X - 0.5 (S - I) X. With tf32_correction the product
+    (S - I) X reads TF32 operands (kernels.precision; S and the sum stay fp32): near the
+    manifold S - I is small (a retraction after a step of lr eta: ~eta^2), so the product's
+    relative error of ~5e-4 is ~5e-4 eta^2 of X, below fp32's rounding, at a third of the cost
+    of the fp32 (3xTF32) product on a GPU.
     """
     transpose = X.size(-2) > X.size(-1)
     if transpose:
@@ -83,5 +159,9 @@ def orthonormalize_near(X, steps, ops):
     for step in range(steps):
         if step > 0:
             S = ops.sym_product(X)
-        X = ops.matmul_add(S, X, X, alpha=b, beta=a)   # a X + b S X
+        if tf32_correction:
+            with tf32_products():
+                X = ops.matmul_add(S - eye, X, X, alpha=b, beta=a + b)   # X + b (S - I) X, a + b = 1
+        else:
+            X = ops.matmul_add(S, X, X, alpha=b, beta=a)   # a X + b S X
     return X.mT if transpose else X

@@ -15,6 +15,8 @@ on the Triton backend), at most followed by one `matmul_add`:
 """
 import torch
 
+from kernels.precision import tf32_products
+
 ZERO_DIAGONAL = {"stiefel": False, "dgram": True}  # P = identity / P = Off
 MANIFOLDS = (*ZERO_DIAGONAL, "none")
 
@@ -43,11 +45,23 @@ def preconditioned(W, A, manifold, d2, alpha, ops):
     return ops.symmetric_gram(W, A, zero_diagonal, d2=d2, alpha=alpha)[0]
 
 
-def tangent_projection(W, A, manifold, d2, ops):
-    """Euclidean projection A - W M of A onto the tangent space at W (W on the manifold)."""
+def tangent_projection(W, A, manifold, d2, ops, tf32_correction=False):
+    """Euclidean projection A - W M of A onto the tangent space at W (W on the manifold).
+    tf32_correction: the product W M reads TF32 operands (M and the sum stay fp32), for an A
+    already tangent up to rounding, whose M is that small (see correction_product)."""
     if _zero_diagonal(manifold) is None:
         return A
-    return ops.matmul_add(W, preconditioned(W, A, manifold, d2, 1.0, ops), A, alpha=-1.0)
+    return correction_product(W, preconditioned(W, A, manifold, d2, 1.0, ops), A, -1.0, ops, tf32_correction)
+
+
+def correction_product(B, X, C, alpha, ops, tf32_correction):
+    """C + alpha B X, where B X is a small correction to C: with tf32_correction its operands are
+    read at TF32 (relative error ~5e-4 of a term that is itself ~eps of C: below fp32's rounding
+    of C, at a third of the cost of an fp32 product on GPU tensor cores); C is added in fp32."""
+    if not tf32_correction:
+        return ops.matmul_add(B, X, C, alpha=alpha)
+    with tf32_products():
+        return ops.matmul_add(B, X, C, alpha=alpha)
 
 
 def dual_update(Lambda, H, M, manifold, d2, step, ops):

@@ -43,6 +43,7 @@ from dataclasses import dataclass, fields
 import torch
 
 import kernels
+from kernels.matrix_sign import CLIP_SCHEDULE
 from manifolds.geometry import geometry
 from manifolds.span import StackedSpans, top_eigenvalue
 
@@ -74,9 +75,14 @@ class SolverOptions:
     precision: str = "auto"     # ADMM's inner iterations in span coordinates: "fp32" (3xTF32 on GPUs),
                                 # "tf32" (TF32 tensor cores, fp32 accumulation; emulated on CPU),
                                 # "bf16", or "auto": tf32 for fp32 CUDA tensors, fp32 elsewhere; the
-                                # reduction, lift, final projection and retraction stay fp32
+                                # reduction, lift, final projection and retraction stay fp32 (under
+                                # tf32 the retraction's small corrections are TF32 products added in
+                                # fp32: geometry.retract(tf32_correction=True), the same violation)
     capturable: object = "auto"  # True: no host syncs (fixed budgets, decisions on the device; see the
                                  # module docstring); False: early exits; "auto": True on CUDA tensors
+    clip_msign: str = "minimax"  # the polynomial clip's two matrix signs: "minimax" (5 steps of
+                                 # kernels.matrix_sign.CLIP_SCHEDULE) or "polar-express" (msign_steps +
+                                 # polish_steps, 7 by default); the same direction quality (bench/RESULTS.md)
 
     @classmethod
     def from_kwargs(cls, **kwargs):
@@ -174,13 +180,29 @@ def spectral_clip(Y, opts):
     """
     if use_eigh(opts, Y):
         return gram_function(Y, lambda lam: lam.rsqrt().clamp_max(1.0))
-    O = kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
+    O = clip_msign(Y, opts)
     P = kernels.symmetric_part(O, Y, opts.backend)  # sym(O^T Y)
     E = P - torch.eye(P.size(-1), dtype=P.dtype, device=P.device)
-    sign_E = kernels.msign(E, opts.msign_steps, opts.polish_steps, opts.backend)
+    sign_E = clip_msign(E, opts)
     absE = kernels.symmetric_part(sign_E.mT, E, opts.backend)  # sym(sign(E) E)
     # O min(P, I) = O (I + (E - |E|) / 2): one product with O added in the epilogue
     return kernels.matmul_add(O, E - absE, O, alpha=0.5, backend=opts.backend)
+
+
+CLIP_MSIGNS = ("minimax", "polar-express")
+
+
+def clip_msign(Y, opts):
+    """msign for spectral_clip (SolverOptions.clip_msign). "minimax": ADMM's clip inputs, after
+    the matrix sign's normalisation by ||Y^T Y||_F^(1/2), keep their singular values (and E's
+    eigenvalues that matter: those near 0 change min(P, I) little) above ~0.02 (measured on real
+    momenta: >= 0.019), so the minimax schedule for [0.02, 1] reaches fp32 in 5 steps where
+    Polar Express (built for 1e-3) and its polish take 7."""
+    if opts.clip_msign not in CLIP_MSIGNS:
+        raise ValueError(f"unknown clip_msign {opts.clip_msign!r}; valid: {', '.join(CLIP_MSIGNS)}")
+    if opts.clip_msign == "minimax":
+        return kernels.msign(Y, len(CLIP_SCHEDULE), 0, opts.backend, schedule=CLIP_SCHEDULE)
+    return kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
 
 
 def masked_update(active, old, new):
@@ -194,8 +216,14 @@ def finalize(W, A, geo, d2, opts):
 
 def finalize_banks(banks, opts):
     """finalize for banks [(W, A, geo, d2)] of the same q (any rows, any batch shape): the
-    projections bank by bank, the spectral norms of all from one stack of q x q Grams."""
-    projected = [geo.tangent_projection(W, A, d2, opts.backend) for W, A, geo, d2 in banks]
+    projections bank by bank, the spectral norms of all from one stack of q x q Grams.
+
+    The answers that reach here are tangent up to their solver's rounding or residual (the span
+    lift, ADMM's projected B, dual ascent near its tolerance), so the projection's correction
+    W M is small: under tf32 iterations it reads TF32 operands (kernels/tangent.py); the Gram
+    W^T A + A^T W that measures the residual stays fp32."""
+    tf32 = iteration_precision(opts, banks[0][0]) == "tf32"
+    projected = [geo.tangent_projection(W, A, d2, opts.backend, tf32_correction=tf32) for W, A, geo, d2 in banks]
     grams = [kernels.sym_product(A.mT, backend=opts.backend).reshape((-1,) + A.shape[-1:] * 2) for A in projected]
     # the Grams at fp32 (they set the scale), the power iteration's squarings at the iterations' precision
     with tf32_scope(opts, projected[0]):

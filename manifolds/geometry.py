@@ -19,6 +19,7 @@ import torch
 
 import kernels
 from kernels.products_torch import off_diagonal, pair_scale
+from kernels.tangent import correction_product
 
 
 def polar_svd(X):
@@ -68,20 +69,22 @@ class Manifold:
         """alpha P(W^T A + A^T W) / (d_i^2 + d_j^2)."""
         return kernels.preconditioned(W, A, self.kernel_name, d2, alpha, backend)
 
-    def tangent_projection(self, W, A, d2=None, backend="auto"):
+    def tangent_projection(self, W, A, d2=None, backend="auto", tf32_correction=False):
         """Euclidean projection of A onto the tangent space at W (W on the manifold).
 
         A_T = A - W M with M_ij = H_ij / (d_i^2 + d_j^2), which makes P(W^T A_T + A_T^T W) = 0.
+        tf32_correction: W M at TF32, for an A that is tangent up to rounding (kernels/tangent.py).
         """
         d2 = self.squared_norms(W) if d2 is None else d2
-        return kernels.tangent_projection(W, A, self.kernel_name, d2, backend)
+        return kernels.tangent_projection(W, A, self.kernel_name, d2, backend, tf32_correction)
 
     def dual_update(self, Lambda, H, M, d2, step, backend="auto"):
         """Lambda - step P(sym(H M)) / (2 (d_i^2 + d_j^2))."""
         return kernels.dual_update(Lambda, H, M, self.kernel_name, d2, step, backend)
 
-    def retract(self, X, near=True, backend="auto"):
-        """Map X back onto the manifold; near=True assumes X is already close to it."""
+    def retract(self, X, near=True, backend="auto", tf32_correction=False):
+        """Map X back onto the manifold; near=True assumes X is already close to it
+        (tf32_correction: the Newton-Schulz corrections at TF32, kernels.orthonormalize_near)."""
         raise NotImplementedError
 
     def violation(self, W):
@@ -95,9 +98,11 @@ class Stiefel(Manifold):
     def gram_projector(self, S):
         return S
 
-    def retract(self, X, near=True, backend="auto"):
+    def retract(self, X, near=True, backend="auto", tf32_correction=False):
         # R(X) = msign(X): the closest matrix with orthonormal columns.
-        return kernels.orthonormalize_near(X, backend=backend) if near else polar_svd(X)
+        if not near:
+            return polar_svd(X)
+        return kernels.orthonormalize_near(X, backend=backend, tf32_correction=tf32_correction)
 
     def violation(self, W):
         # max |W^T W - I|
@@ -115,12 +120,13 @@ class DGram(Manifold):
     def squared_norms(self, W):
         return W.square().sum(dim=-2)
 
-    def retract(self, X, near=True, backend="auto"):
+    def retract(self, X, near=True, backend="auto", tf32_correction=False):
         # R(X) = msign(X N^-1) N, N = diag(column norms of X). On the manifold X = Q D, so
         # X N^-1 = Q and R(X) = X: a true retraction that keeps each column's norm.
         norms = X.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny ** 0.5)
         unit = X / norms
-        Q = kernels.orthonormalize_near(unit, backend=backend) if near else polar_svd(unit)
+        Q = (kernels.orthonormalize_near(unit, backend=backend, tf32_correction=tf32_correction) if near
+             else polar_svd(unit))
         return Q * self.column_scale(norms)
 
     def column_scale(self, norms):
@@ -141,7 +147,7 @@ class Unconstrained(Manifold):
     def gram_projector(self, S):
         return torch.zeros_like(S)
 
-    def retract(self, X, near=True, backend="auto"):
+    def retract(self, X, near=True, backend="auto", tf32_correction=False):
         return X
 
     def violation(self, W):
@@ -201,11 +207,11 @@ class DGramCap(DGram):
             return super().preconditioned(W, A, d2, alpha, backend)
         return MaskedGram(self.pinned).preconditioned(W, A, d2, alpha, backend)
 
-    def tangent_projection(self, W, A, d2=None, backend="auto"):
+    def tangent_projection(self, W, A, d2=None, backend="auto", tf32_correction=False):
         if self.pinned is None:
-            return super().tangent_projection(W, A, d2, backend)
+            return super().tangent_projection(W, A, d2, backend, tf32_correction)
         d2 = self.squared_norms(W) if d2 is None else d2
-        return MaskedGram(self.pinned).tangent_projection(W, A, d2, backend)
+        return MaskedGram(self.pinned).tangent_projection(W, A, d2, backend, tf32_correction)
 
     def dual_update(self, Lambda, H, M, d2, step, backend="auto"):
         if self.pinned is None:
@@ -247,10 +253,11 @@ class MaskedGram(Manifold):
     def preconditioned(self, W, A, d2, alpha=1.0, backend="auto"):
         return self.gram_projector(kernels.preconditioned(W, A, "stiefel", d2, alpha, backend))
 
-    def tangent_projection(self, W, A, d2=None, backend="auto"):
+    def tangent_projection(self, W, A, d2=None, backend="auto", tf32_correction=False):
         if d2 is None:
             raise ValueError("MaskedGram needs the problems' squared column norms d2")
-        return kernels.matmul_add(W, self.preconditioned(W, A, d2, 1.0, backend), A, alpha=-1.0, backend=backend)
+        M = self.preconditioned(W, A, d2, 1.0, backend)
+        return correction_product(W, M, A, -1.0, kernels.products_for(backend, W, A), tf32_correction)
 
     def dual_update(self, Lambda, H, M, d2, step, backend="auto"):
         return self.gram_projector(kernels.dual_update(Lambda, H, M, "stiefel", d2, step, backend))

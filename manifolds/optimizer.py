@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from manifolds.dual import SolverOptions, choose_solver, solve_tall_banks, use_eigh
+from kernels.matrix_sign import CLIP_SCHEDULE
+from manifolds.dual import SolverOptions, choose_solver, iteration_precision, solve_tall_banks, use_eigh
 from manifolds.geometry import MANIFOLDS, geometry
 
 SOLVER_DEFAULTS = asdict(SolverOptions())
@@ -138,7 +139,8 @@ def piece_cost(piece):
     if use_eigh(opts, piece.param):
         clip = 2 * n * q * q + 10 * q ** 3
     else:
-        clip = 2 * _msign_cost(n, q, polar_steps) + 2 * n * q * q
+        clip_steps = len(CLIP_SCHEDULE) if opts.clip_msign == "minimax" else polar_steps
+        clip = 2 * _msign_cost(n, q, clip_steps) + 2 * n * q * q
     setup = 6 * p * q * q if reduced else 0
     return iterations * (projection + clip) + setup + common
 
@@ -371,7 +373,10 @@ class ManifoldMuon(torch.optim.Optimizer):
             decay = per_matrix(W, [piece.group["weight_decay"] for piece in pieces])
             new_W = W * (1 - eta * decay) - eta * solution.A
         else:
-            new_W = geometry(manifold, opts.dgram_cap).retract(W - eta * solution.A, near=True, backend=opts.backend)
+            # the retraction's Gram stays fp32; where the iterations run at TF32 so do its small corrections
+            new_W = geometry(manifold, opts.dgram_cap).retract(
+                W - eta * solution.A, near=True, backend=opts.backend,
+                tf32_correction=iteration_precision(opts, W) == "tf32")
             for i, piece in enumerate(pieces):  # solvers without a warm start return no state
                 if solution.state is None:
                     self.state[piece.param].pop(piece.dual_key, None)

@@ -67,6 +67,48 @@ def test_msign_is_scale_invariant_and_maps_zero_to_zero():
     assert torch.count_nonzero(msign(torch.zeros(8, 8))) == 0
 
 
+def test_normalisation_bounds_the_top_singular_value_tighter_than_frobenius():
+    # ||S||_F^(1/2) >= s_1 always (a normalised X has s_1 <= 1); for a flat spectrum it is
+    # n^(1/4) s_1 where the Frobenius norm is n^(1/2) s_1: the small singular values start higher
+    torch.manual_seed(5)
+    for X in (torch.randn(64, 256), torch.linalg.qr(torch.randn(256, 64))[0].T,  # random, flat
+              torch.diag(torch.tensor([1e3, 1.0, 1e-3])) @ torch.randn(3, 9)):  # one dominant value
+        Xn, S = kernels.matrix_sign.normalized(X, products_torch)
+        s, original = torch.linalg.svdvals(Xn.double()), torch.linalg.svdvals(X.double())
+        assert s.max() <= 1.0 and s.max() >= 1 / (1.01 * X.size(0) ** 0.25) - 1e-6
+        assert torch.allclose(s / s.max(), original / original.max(), rtol=1e-3, atol=1e-9)  # a scaling
+        assert torch.allclose(S, Xn @ Xn.T, atol=1e-6)
+        # never looser than the Frobenius normalisation (both with 1% of safety)
+        assert s.max() >= original.max() / (1.01 * X.double().norm()) - 1e-9
+    flat = torch.linalg.svdvals(kernels.matrix_sign.normalized(torch.linalg.qr(torch.randn(256, 64))[0].T,
+                                                               products_torch)[0].double())
+    assert flat.min() > 0.35 > 64 ** -0.5  # 64^(-1/4) / 1.01 = 0.35 where the Frobenius norm gives 0.125
+
+
+def test_clip_schedule_is_the_minimax_schedule_and_lands_within_1e9_of_one():
+    ms = kernels.matrix_sign
+    schedule, errors = ms.minimax_schedule(ms.CLIP_LOWER, len(ms.CLIP_SCHEDULE))
+    for ours, computed in zip(ms.CLIP_SCHEDULE, schedule):
+        assert ours == pytest.approx(computed, abs=1e-9)
+    # composing the polynomials on a dense grid of [0.02, 1] in float64: the claim itself, and
+    # what a singular value below the range still reaches
+    x = torch.linspace(ms.CLIP_LOWER, 1.0, 200001, dtype=torch.float64)
+    below = torch.tensor([0.01], dtype=torch.float64)
+    for a, b, c in ms.CLIP_SCHEDULE:
+        x, below = (a * t + b * t ** 3 + c * t ** 5 for t in (x, below))
+    assert float((x - 1).abs().max()) < 1e-9 and errors[-1] < 1e-9
+    assert 0.98 < float(below) < 1.0
+    # and on matrices: singular values spread over a factor 20 reach the polar factor in five
+    # steps, where five Polar Express steps without polish do not
+    g = torch.Generator().manual_seed(6)
+    U = torch.linalg.qr(torch.randn(96, 32, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(32, 32, generator=g, dtype=torch.float64))[0]
+    X = ((U * torch.linspace(1.0, 20.0, 32, dtype=torch.float64)) @ V.T).float()
+    out = msign(X, steps=5, schedule=ms.CLIP_SCHEDULE)
+    assert (out.double() - U @ V.T).abs().max() < 1e-5
+    assert (msign(X, steps=5).double() - U @ V.T).abs().max() > 1e-2
+
+
 def test_orthonormalize_near_converges_quadratically():
     torch.manual_seed(3)
     Q = polar(torch.randn(64, 16)).float()

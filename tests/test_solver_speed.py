@@ -53,23 +53,33 @@ def test_span_projection_equals_the_full_tangent_projection(manifold):
     assert torch.allclose(reduced, full, atol=1e-4)
 
 
-@pytest.mark.parametrize("clip", ["eigh", "polynomial"])
-def test_spectral_clip_matches_the_svd(clip):
+@pytest.mark.parametrize("clip, clip_msign", [("eigh", "minimax"), ("polynomial", "minimax"),
+                                              ("polynomial", "polar-express")])
+def test_spectral_clip_matches_the_svd(clip, clip_msign):
     g = torch.Generator().manual_seed(3)
     U = torch.linalg.qr(torch.randn(3, 64, 32, generator=g, dtype=torch.float64))[0]
     V = torch.linalg.qr(torch.randn(3, 32, 32, generator=g, dtype=torch.float64))[0]
     s = torch.linspace(0.05, 3.0, 32, dtype=torch.float64)  # half below 1, half clipped
     Y = (U * s) @ V.mT
     exact = (U * s.clamp_max(1.0)) @ V.mT
-    clipped = spectral_clip(Y.float(), SolverOptions(clip=clip)).double()
+    clipped = spectral_clip(Y.float(), SolverOptions(clip=clip, clip_msign=clip_msign)).double()
     tolerance = 1e-4 if clip == "eigh" else 3e-2  # the polynomial clip is approximate near 1
     assert (clipped - exact).abs().max() < tolerance
+    if clip_msign == "minimax":
+        # its signs converge to fp32 over the range they are built for: every clipped singular
+        # value away from 1 and from the range's bottom is exact (Polar Express's 5 + 2 steps
+        # leave errors up to 1.4e-3 here)
+        per_direction = torch.diagonal(U.mT @ clipped @ V, dim1=-2, dim2=-1)  # u_i^T clip(Y) v_i
+        kept = ((s - 1).abs() > 0.1) & (s > 0.2)
+        assert (per_direction - s.clamp_max(1.0)).abs()[:, kept].max() < 1e-5
 
 
 def test_unknown_clip_is_rejected():
     W, G = random_point((36, 12), "stiefel", seed=6)
     with pytest.raises(ValueError, match="unknown clip"):
         solve_tall(W, G, "stiefel", None, SolverOptions(clip="svd"))
+    with pytest.raises(ValueError, match="unknown clip_msign"):
+        solve_tall(W, G, "stiefel", None, SolverOptions(clip="polynomial", clip_msign="newton"))
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])

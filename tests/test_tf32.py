@@ -82,3 +82,41 @@ def test_auto_precision_is_fp32_on_cpu_tf32_on_cuda():
     if torch.cuda.is_available():
         assert iteration_precision(opts, torch.zeros(2, 2, device="cuda")) == "tf32"
         assert iteration_precision(opts, torch.zeros(2, 2, device="cuda", dtype=torch.float64)) == "fp32"
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+@pytest.mark.parametrize("eta", [0.02, 0.2])
+def test_retraction_with_tf32_corrections_lands_as_close_to_the_manifold_as_fp32(manifold, eta):
+    # the retraction after a step: its Gram in fp32, the Newton-Schulz corrections (S - I) X at
+    # TF32; the violation and the point must be the fp32 ones, where an all-TF32 iteration
+    # would stop ~1e-4 away from the manifold
+    W, G = random_point((192, 48), manifold, seed=7)
+    geo = geometry(manifold)
+    A = solve_tall(W[None], G[None], manifold, None, SolverOptions(backend="torch")).A
+    X = W[None] - eta * A
+    fp32 = geo.retract(X, backend="torch")
+    mixed = geo.retract(X, backend="torch", tf32_correction=True)
+    with tf32_products():
+        all_tf32 = geo.retract(X, backend="torch")
+    violation = lambda Y: float(geo.violation(Y.double()).max())  # noqa: E731
+    assert violation(mixed) <= 2 * violation(fp32) + 1e-6 < 1e-5 < violation(all_tf32)
+    assert (mixed - fp32).abs().max() <= 1e-5 < (all_tf32 - fp32).abs().max()
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_projection_with_a_tf32_correction_is_as_tangent_as_fp32(manifold):
+    # finalize's projection of an answer that is tangent up to a small residual (a solver's
+    # rounding or tolerance): W M at TF32, the Gram that measures the residual in fp32. The
+    # residual left is ~5e-4 of the one before, below fp32's own rounding here; an all-TF32
+    # projection leaves 100x more.
+    W, G = random_point((192, 48), manifold, seed=8)
+    geo = geometry(manifold)
+    normal = W @ torch.randn(48, 48, generator=torch.Generator().manual_seed(0))
+    A = geo.tangent_projection(W.double(), G.double()).float() + 1e-5 * normal
+    residual = lambda X: float(geo.tangent_residual(W.double(), X.double()).abs().max())  # noqa: E731
+    fp32 = geo.tangent_projection(W, A, backend="torch")
+    mixed = geo.tangent_projection(W, A, backend="torch", tf32_correction=True)
+    with tf32_products():
+        all_tf32 = geo.tangent_projection(W, A, backend="torch")
+    assert residual(A) > 20 * residual(fp32)
+    assert residual(mixed) <= 1.1 * residual(fp32) and 100 * residual(fp32) < residual(all_tf32)
