@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from bench.results import Results  # noqa: E402
 from bench.published import PUBLISHED, published_direction, published_step  # noqa: E402
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction  # noqa: E402
+from kernels.matrix_sign import CLIP_SCHEDULE  # noqa: E402
 from manifolds.dual import SolverOptions, solve_tall  # noqa: E402
 from manifolds.assignment import parse_assignment  # noqa: E402
 from manifolds.geometry import MANIFOLDS  # noqa: E402
@@ -184,8 +185,9 @@ def msign_flops(p, q, iters):
 EIGH_FLOPS = 9  # x q^3: symmetric eigendecomposition with eigenvectors (Golub & Van Loan's count)
 
 
-def clip_flops(q, clip, msign_iters=7):
-    """One polar factor or spectral clip of a 2q x q matrix Y (the reduced problem)."""
+def clip_flops(q, clip, msign_iters=len(CLIP_SCHEDULE)):
+    """One spectral clip of a 2q x q matrix Y (the reduced problem); its two matrix signs take
+    the minimax schedule's 5 steps (dual.clip_msign), the warm start's polar factor 7."""
     if clip == "eigh":  # Y^T Y, eigh, Q f Q^T, Y h
         return 4 * q ** 3 + EIGH_FLOPS * q ** 3 + 2 * q ** 3 + 4 * q ** 3
     # msign(Y), sym(O^T Y), msign of the q x q E, O (...)
@@ -221,7 +223,8 @@ def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_
         if manifold == "stiefel" and p == q:
             solve = 2 * p * q * q + msign_flops(p, q, msign_iters) + 2 * q ** 3 + 8 * q ** 3
         elif p >= 2 * q:
-            solve = (8 * p * q * q + 2.3 * q ** 3 + 14 * q ** 3 + 4 * q ** 3 + clip_flops(q, clip)
+            start = clip_flops(q, clip) if clip == "eigh" else msign_flops(2 * q, q, 5)  # unpolished polar
+            solve = (8 * p * q * q + 2.3 * q ** 3 + 14 * q ** 3 + 4 * q ** 3 + start
                      + iterations * clip_flops(q, clip) + 8 * q ** 3 + 4 * p * q * q + 3 * q ** 3)
         else:
             per_iteration = msign_flops(p, q, msign_iters) + msign_flops(q, q, msign_iters) + 12 * p * q * q

@@ -12,10 +12,23 @@ Nothing here is used by the trainer.
 """
 import torch
 
-from kernels import msign
+from kernels.matrix_sign import polar_express_coefficients
 from manifolds.geometry import MANIFOLDS
 
 PUBLISHED = dict(dual_steps=20, dual_lr=0.1, msign_iters=10, tol=1e-6)
+
+
+def msign(X, steps):
+    """The published matrix sign: X / (1.02 ||X||_F), then `steps` Polar Express steps (the
+    fifth repeating; no polish) on the wide orientation, in X's dtype."""
+    transpose = X.size(-2) > X.size(-1)
+    if transpose:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-12)
+    for a, b, c in polar_express_coefficients(steps):
+        S = X @ X.mT
+        X = a * X + (b * S + c * S @ S) @ X
+    return X.mT if transpose else X
 
 
 def published_direction(W, G, manifold, dual_steps=20, dual_lr=0.1, msign_iters=10, tol=1e-6):

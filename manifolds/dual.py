@@ -17,7 +17,7 @@ normalised first (msign ignores scale, the dual problem does not).
 * "admm": on  max <G, B>  s.t.  B in the tangent space, Z in the unit spectral ball, B = Z:
       B <- Proj_T(Z - U + G / rho);  Z <- clip(B + U);  U <- U + B - Z,
   where clip caps singular values at 1 (`spectral_clip`: an eigendecomposition of the q x q
-  Gram on CPU, two Polar Express evaluations on GPU). It converges where the dual optimum
+  Gram on CPU, two polynomial matrix signs on GPU). It converges where the dual optimum
   is degenerate (the optimal A keeps singular values below 1: square DGram, near-square
   Stiefel) or ill-conditioned (spiky gradient spectra). Tall banks (rows >= 2 cols) run it as
   the equivalent 2q x q problem in span[W, G] (span.py), all such banks of one q stacked into
@@ -161,14 +161,15 @@ def gram_function(Y, f):
     return (Y32 @ ((Q * f(lam.clamp_min(1e-30)).unsqueeze(-2)) @ Q.mT)).to(Y.dtype)
 
 
-def polar(Y, opts):
-    """msign(Y) = U V^T for tall Y = U S V^T."""
+def polar(Y, opts, polish=True):
+    """msign(Y) = U V^T for tall Y = U S V^T (polish=False: without the Newton-Schulz polish,
+    singular values left in Polar Express's band around 1)."""
     if use_eigh(opts, Y):
         # Singular values below 1e-3 of the largest are rounding noise in Y^T Y (fp32) and
         # would be blown up to 1; they are scaled as if they were 1e-3 (Polar Express, from a
         # Frobenius normalisation, likewise leaves such directions short of 1).
         return gram_function(Y, lambda lam: lam.clamp_min(1e-6 * lam.amax(dim=-1, keepdim=True)).rsqrt())
-    return kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
+    return kernels.msign(Y, opts.msign_steps, opts.polish_steps if polish else 0, opts.backend)
 
 
 def spectral_clip(Y, opts):
@@ -419,7 +420,9 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
         Z, U = polar(GT, opts), torch.zeros_like(G)
     else:
         X = kernels.matmul_add(W, correction, GT, alpha=2.0, backend=opts.backend)
-        Z, U = polar(X, opts), X / rho
+        # the starting Z needs no polish: the iterations correct it (measured on real momenta,
+        # bench/RESULTS.md: the same direction quality; 2 of its 7 polynomial steps saved)
+        Z, U = polar(X, opts, polish=False), X / rho
     alpha = opts.admm_relax
     sync_free = capturable(opts, W)
     active = torch.ones(W.shape[:-2], dtype=torch.bool, device=W.device)
