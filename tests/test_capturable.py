@@ -205,3 +205,9 @@ def test_trainer_flags_reach_the_solver():
         muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
         opts = solver_options(muon.param_groups[0])
         assert (opts.capturable, opts.precision) == (capturable, precision)
+        assert opts.admm_rho_warm == SolverOptions().admm_rho_warm
+    args = train_gpt2.parse_args(["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+                                  "--admm-rho-warm", "0.3"])
+    train_gpt2.validate_args(args)
+    muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
+    assert solver_options(muon.param_groups[0]).admm_rho_warm == 0.3
