@@ -161,15 +161,14 @@ def gram_function(Y, f):
     return (Y32 @ ((Q * f(lam.clamp_min(1e-30)).unsqueeze(-2)) @ Q.mT)).to(Y.dtype)
 
 
-def polar(Y, opts, polish=True):
-    """msign(Y) = U V^T for tall Y = U S V^T (polish=False: without the Newton-Schulz polish,
-    singular values left in Polar Express's band around 1)."""
+def polar(Y, opts):
+    """msign(Y) = U V^T for tall Y = U S V^T."""
     if use_eigh(opts, Y):
         # Singular values below 1e-3 of the largest are rounding noise in Y^T Y (fp32) and
         # would be blown up to 1; they are scaled as if they were 1e-3 (Polar Express, from a
         # Frobenius normalisation, likewise leaves such directions short of 1).
         return gram_function(Y, lambda lam: lam.clamp_min(1e-6 * lam.amax(dim=-1, keepdim=True)).rsqrt())
-    return kernels.msign(Y, opts.msign_steps, opts.polish_steps if polish else 0, opts.backend)
+    return kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
 
 
 def spectral_clip(Y, opts):
@@ -420,9 +419,7 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
         Z, U = polar(GT, opts), torch.zeros_like(G)
     else:
         X = kernels.matmul_add(W, correction, GT, alpha=2.0, backend=opts.backend)
-        # the starting Z needs no polish: the iterations correct it (measured on real momenta,
-        # bench/RESULTS.md: the same direction quality; 2 of its 7 polynomial steps saved)
-        Z, U = polar(X, opts, polish=False), X / rho
+        Z, U = polar(X, opts), X / rho
     alpha = opts.admm_relax
     sync_free = capturable(opts, W)
     active = torch.ones(W.shape[:-2], dtype=torch.bool, device=W.device)
