@@ -2,6 +2,11 @@
 
     python bench/sweep_report.py runs/sweep-20250101-120000
     python bench/sweep_report.py runs/sweep-20250101-120000 --out elsewhere
+    python bench/sweep_report.py runs/long-1000 --at-step 200 --out runs/long-1000/at-200
+
+By default each run counts by its final val loss; --at-step N compares the val loss of the evaluation
+at step N instead (runs that reached it, not diverged by then), e.g. how an ordering evolves over a
+long run. The files are then named sweep-at-N.md / .png.
 
 RUNS_DIR is searched for run folders (what train_gpt2.py writes; run.sh sweep puts them in
 <spec>/lr<lr>/seed<seed>). Each run is keyed by its config.json: the assignment (with its attention
@@ -30,23 +35,37 @@ from errors import UserError, run_cli  # noqa: E402
 LEVEL = 0.95  # of the confidence intervals
 
 
-def outcome(run):
-    """completed (a final val loss to average), diverged, or unfinished (interrupted, killed, failed)."""
+def final(run):
+    """(outcome, value) of a run by its final val loss: completed (a value to average), diverged, or
+    unfinished (interrupted, killed, failed; value NaN)."""
     if run.diverged_step is not None:
-        return "diverged"
-    return "completed" if math.isfinite(run.final_val()) else "unfinished"
+        return "diverged", math.nan
+    value = run.final_val()
+    return ("completed" if math.isfinite(value) else "unfinished"), value
+
+
+def at_step(step):
+    """A measure like `final`, by the val loss of the evaluation at `step`: completed if the run was
+    evaluated there and had not diverged by then."""
+    def measure(run):
+        if run.diverged_step is not None and run.diverged_step <= step:
+            return "diverged", math.nan
+        values = [row["val_loss"] for row in run.evals if row["step"] == step]
+        return ("completed", values[-1]) if values else ("unfinished", math.nan)
+    return measure
 
 
 class Cell:
     """The runs of one assignment at one Muon lr."""
 
-    def __init__(self, runs):
+    def __init__(self, runs, measure=final):
         self.runs = runs
-        done = [r for r in runs if outcome(r) == "completed"]
-        self.values = [r.final_val() for r in done]
-        self.by_seed = {r.config.get("seed"): r.final_val() for r in done}
-        self.diverged = sum(outcome(r) == "diverged" for r in runs)
-        self.unfinished = sum(outcome(r) == "unfinished" for r in runs)
+        measured = [(r, *measure(r)) for r in runs]
+        done = [(r, value) for r, outcome, value in measured if outcome == "completed"]
+        self.values = [value for _, value in done]
+        self.by_seed = {r.config.get("seed"): value for r, value in done}
+        self.diverged = sum(outcome == "diverged" for _, outcome, _ in measured)
+        self.unfinished = sum(outcome == "unfinished" for _, outcome, _ in measured)
         self.seeds = sorted(r.config.get("seed") for r in runs)
 
     @property
@@ -87,12 +106,12 @@ def lr_key(run):
     return lr
 
 
-def grid(runs):
+def grid(runs, measure=final):
     """{assignment: {muon lr: Cell}}: assignments in the order they first started, lrs ascending."""
     groups = {}
     for r in runs:
         groups.setdefault(r.assign, {}).setdefault(lr_key(r), []).append(r)
-    return {a: {lr: Cell(by_lr[lr]) for lr in sorted(by_lr)} for a, by_lr in groups.items()}
+    return {a: {lr: Cell(by_lr[lr], measure) for lr in sorted(by_lr)} for a, by_lr in groups.items()}
 
 
 def best_lr(cells):
@@ -110,8 +129,8 @@ def grid_table(table):
     return "\n".join(lines)
 
 
-def best_table(table, best):
-    lines = ["| assignment | best Muon lr | final val loss: mean ± sd | n | seeds |", "|---|---|---|---|---|"]
+def best_table(table, best, label="final val loss"):
+    lines = [f"| assignment | best Muon lr | {label}: mean ± sd | n | seeds |", "|---|---|---|---|---|"]
     for assign, cells in table.items():
         lr = best[assign]
         if lr is None:
@@ -199,15 +218,22 @@ def notes(table, best):
     ]
 
 
-def markdown(runs, figure_name):
-    table = grid(runs)
+def label_of(step):
+    return "final val loss" if step is None else f"val loss at step {step}"
+
+
+def markdown(runs, figure_name, step=None):
+    table = grid(runs, final if step is None else at_step(step))
     best = {a: best_lr(cells) for a, cells in table.items()}
-    out = ["# Sweep report", "",
-           f"{len(runs)} run(s). Final val loss (the last evaluation of a completed run) per assignment and "
+    what = ("Final val loss (the last evaluation of a completed run)" if step is None else
+            f"Val loss at step {step} (the evaluation there; 'completed': runs evaluated at step {step} that had "
+            "not diverged by then)")
+    out = ["# Sweep report" + ("" if step is None else f" at step {step}"), "",
+           f"{len(runs)} run(s). {what} per assignment and "
            "Muon lr: mean ± sd (n completed); runs that diverged or did not finish are counted, not averaged.",
            "", grid_table(table), "",
            "Each assignment at its best Muon lr (lowest mean among the lrs where every run completed):", "",
-           best_table(table, best), "",
+           best_table(table, best, label_of(step)), "",
            f"Pairwise at the best lrs: Welch's t-test, two-sided, and the {LEVEL:.0%} confidence interval of "
            "the difference of means (negative: A has the lower loss):", ""]
     if sum(b is not None for b in best.values()) > 1:
@@ -216,30 +242,30 @@ def markdown(runs, figure_name):
                 "per-seed differences:", "", paired_table(table, best)]
     else:
         out += ["(fewer than two assignments with a best lr: nothing to compare)"]
-    out += [""] + notes(table, best) + ["", f"![final val loss against Muon lr]({figure_name})", ""]
+    out += [""] + notes(table, best) + ["", f"![{label_of(step)} against Muon lr]({figure_name})", ""]
     return "\n".join(out)
 
 
-def figure(runs, path):
-    """Left: final val loss against Muon lr per assignment (left out when the grid has one lr).
-    Right: each assignment at its best lr, mean ± sd with every seed's run as a dot."""
+def figure(runs, path, step=None):
+    """Left: final val loss (or at `step`) against Muon lr per assignment (left out when the grid has
+    one lr). Right: each assignment at its best lr, mean ± sd with every seed's run as a dot."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table = grid(runs)
+    table = grid(runs, final if step is None else at_step(step))
     best = {a: best_lr(cells) for a, cells in table.items()}
     lrs = sorted({lr for cells in table.values() for lr in cells})
     panels = 2 if len(lrs) > 1 else 1
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 5.5), constrained_layout=True, squeeze=False)
     if panels == 2:
-        lr_panel(axes[0][0], table, lrs)
-    best_panel(axes[0][-1], table, best)
+        lr_panel(axes[0][0], table, lrs, label_of(step))
+    best_panel(axes[0][-1], table, best, label_of(step))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def lr_panel(ax, table, lrs):
+def lr_panel(ax, table, lrs, label):
     import matplotlib
 
     for i, (assign, cells) in enumerate(table.items()):
@@ -258,13 +284,13 @@ def lr_panel(ax, table, lrs):
     ax.set_xscale("log")
     ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs])  # the grid's lrs as plain numbers
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.set(xlabel="Muon lr", ylabel="final val loss (mean ± sd over seeds)",
-           title="final val loss against Muon lr (✗: runs that diverged or did not finish)")
+    ax.set(xlabel="Muon lr", ylabel=f"{label} (mean ± sd over seeds)",
+           title=f"{label} against Muon lr (✗: runs that diverged or did not finish)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
 
 
-def best_panel(ax, table, best):
+def best_panel(ax, table, best, label):
     """Assignments with a best lr, lowest mean first."""
     ranked = sorted((a for a in table if best[a] is not None), key=lambda a: table[a][best[a]].mean)
     colors = {a: f"C{i % 10}" for i, a in enumerate(table)}  # the same colour as in the lr panel
@@ -275,19 +301,22 @@ def best_panel(ax, table, best):
         ax.plot([x] * cell.n, cell.values, "o", color=colors[assign], alpha=0.4, markersize=4)
     ax.set_xticks(range(len(ranked)), [f"{a}\n(lr {best[a]:g}, n={table[a][best[a]].n})" for a in ranked],
                   rotation=30, ha="right", fontsize=8)
-    ax.set(ylabel="final val loss", title="each assignment at its best lr: mean ± sd, dots: seeds")
+    ax.set(ylabel=label, title="each assignment at its best lr: mean ± sd, dots: seeds")
     ax.grid(alpha=0.3, axis="y")
 
 
-def write_sweep_report(runs_dir, out_dir=None):
+def write_sweep_report(runs_dir, out_dir=None, step=None):
+    """Writes sweep.md and sweep.png (sweep-at-STEP.* with a step) into out_dir (default runs_dir);
+    returns (the markdown, the path of the .md)."""
     runs = find_runs([runs_dir])
     out_dir = out_dir or runs_dir
     os.makedirs(out_dir, exist_ok=True)
-    text = markdown(runs, "sweep.png")
-    with open(os.path.join(out_dir, "sweep.md"), "w") as f:
+    stem = "sweep" if step is None else f"sweep-at-{step}"
+    text = markdown(runs, stem + ".png", step)
+    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
         f.write(text)
-    figure(runs, os.path.join(out_dir, "sweep.png"))
-    return text, out_dir
+    figure(runs, os.path.join(out_dir, stem + ".png"), step)
+    return text, os.path.join(out_dir, stem + ".md")
 
 
 def main(argv=None):
@@ -295,10 +324,15 @@ def main(argv=None):
     p.add_argument("runs_dir", metavar="RUNS_DIR",
                    help="the sweep's folder: searched for run folders (config.json, metrics.jsonl, summary.json)")
     p.add_argument("--out", default=None, metavar="DIR", help="where sweep.md and sweep.png go (default: RUNS_DIR)")
+    p.add_argument("--at-step", type=int, default=None, metavar="N",
+                   help="compare the val loss of the evaluation at step N instead of the final one "
+                        "(writes sweep-at-N.md / .png)")
     args = p.parse_args(argv)
-    text, out_dir = write_sweep_report(args.runs_dir, args.out)
+    if args.at_step is not None and args.at_step < 1:
+        raise UserError(f"--at-step must be a step >= 1, got {args.at_step}")
+    text, md = write_sweep_report(args.runs_dir, args.out, args.at_step)
     print(text)
-    print(f"wrote {os.path.join(out_dir, 'sweep.md')} and {os.path.join(out_dir, 'sweep.png')}")
+    print(f"wrote {md} and {md[:-3]}.png")
 
 
 if __name__ == "__main__":

@@ -112,9 +112,10 @@ def test_welch_needs_two_runs_each_and_some_spread():
 
 # --- the report of synthetic run folders ---------------------------------------------------------
 
-def fake_run(folder, assign, lr, seed, final, status="completed"):
+def fake_run(folder, assign, lr, seed, final, status="completed", early=None):
     """A run folder in train_gpt2.py's format (fields as a tiny real run writes them): status
-    completed, diverged (at step 3) or None (killed: no summary.json)."""
+    completed, diverged (at step 3) or None (killed: no summary.json); evaluated at steps 2 and 4
+    (or 3 when diverged), with val loss `early` (default `final`) at step 2 and `final` after."""
     os.makedirs(folder)
     config = {"assign": assign, "seed": seed, "device": "cpu", "n_layer": 1, "n_head": 2, "n_embd": 32,
               "seq_len": 32, "vocab_size": 64, "qk_norm": False, "qk_clip": 0.0, "attn_softcap": 0.0,
@@ -128,7 +129,8 @@ def fake_run(folder, assign, lr, seed, final, status="completed"):
             f.write(json.dumps({"step": step, "train_loss": final + 0.1, "lr": 0.0006, "grad_norm": 0.6,
                                 "tokens_per_s": 15000.0, "step_ms": 16.0, "opt_ms": 11.0}) + "\n")
             if step % 2 == 0 or step == steps:
-                f.write(json.dumps({"step": step, "val_loss": final, "eval_tokens": 256, "attn_logit_max": [1.3],
+                val = early if early is not None and step == 2 else final
+                f.write(json.dumps({"step": step, "val_loss": val, "eval_tokens": 256, "attn_logit_max": [1.3],
                                     "softmax_max_prob": [0.18], "sigma_max": {"blocks.0.attn.c_attn.weight": 1.0},
                                     "eval_ms": 5.0, "diagnostics_ms": 1.0}) + "\n")
     if status is None:
@@ -210,6 +212,36 @@ def test_sweep_report_of_a_synthetic_grid(tmp_path):
     assert "n = 1 to 3 run(s) (seeds) per assignment at its best lr, picked among 2 Muon lr(s)" in text
     assert "Selection:" in text and "biased" in text
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_report_at_a_step_compares_that_evaluation(tmp_path):
+    # (assignment, seed): (val loss at step 2, final, status); the order flips between step 2 and the end
+    runs = {("hetero", 1): (5.0, 4.0, "completed"), ("hetero", 2): (5.2, 4.2, "completed"),
+            ("all-stiefel", 1): (4.9, 4.3, "completed"), ("all-stiefel", 2): (5.1, 4.5, "completed"),
+            ("all-dgram", 1): (4.8, 3e4, "diverged"), ("all-dgram", 2): (4.7, 4.6, None)}
+    for (assign, seed), (early, last, status) in runs.items():
+        fake_run(tmp_path / assign / "lr0.05" / f"seed{seed}", assign, 0.05, seed, last, status, early)
+    best_of = lambda text: rows(text, "| assignment | best Muon lr")  # noqa: E731
+    final_text, _ = sweep_report.write_sweep_report(str(tmp_path))
+    assert best_of(final_text)["hetero"][2] == "4.1000 ± 0.1414"
+    assert best_of(final_text)["all-stiefel"][2] == "4.4000 ± 0.1414"
+    assert rows(final_text, "| assignment | Muon lr")["all-dgram"][1] == "–; 1 of 2 diverged; 1 of 2 unfinished"
+    text, md = sweep_report.write_sweep_report(str(tmp_path), step=2)
+    assert md == str(tmp_path / "sweep-at-2.md") and (tmp_path / "sweep-at-2.png").exists()
+    assert text.startswith("# Sweep report at step 2") and "| val loss at step 2: mean ± sd |" in text
+    best = best_of(text)
+    assert best["hetero"][2] == "5.1000 ± 0.1414" and best["all-stiefel"][2] == "5.0000 ± 0.1414"
+    # both all-dgram runs were evaluated at step 2 before the one diverged (step 3) and the other was killed
+    assert best["all-dgram"][2] == "4.7500 ± 0.0707"
+    # at step 4: the diverged run counts as diverged, the killed one was evaluated there
+    assert rows(sweep_report.markdown(sweep_report.find_runs([str(tmp_path)]), "x.png", 4),
+                "| assignment | Muon lr")["all-dgram"][1] == "4.6000 (n=1); 1 of 2 diverged"
+    # step 3: no evaluation of the completed runs there
+    assert rows(sweep_report.markdown(sweep_report.find_runs([str(tmp_path)]), "x.png", 3),
+                "| assignment | Muon lr")["hetero"][1] == "–; 2 of 2 unfinished"
+    cli = [sys.executable, os.path.join(ROOT, "bench", "sweep_report.py"), str(tmp_path)]
+    result = subprocess.run([*cli, "--at-step", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("error: --at-step") and "Traceback" not in result.stderr
 
 
 def test_sweep_report_says_when_no_lr_qualifies_and_its_cli_mistakes(tmp_path):
