@@ -223,7 +223,7 @@ def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_
         if manifold == "stiefel" and p == q:
             solve = 2 * p * q * q + msign_flops(p, q, msign_iters) + 2 * q ** 3 + 8 * q ** 3
         elif p >= 2 * q:
-            start = clip_flops(q, clip) if clip == "eigh" else msign_flops(2 * q, q, 7)  # the polar factor
+            start = clip_flops(q, clip) if clip == "eigh" else msign_flops(2 * q, q, msign_iters)  # the polar factor
             solve = (8 * p * q * q + 2.3 * q ** 3 + 14 * q ** 3 + 4 * q ** 3 + start
                      + iterations * clip_flops(q, clip) + 8 * q ** 3 + 4 * p * q * q + 3 * q ** 3)
         else:

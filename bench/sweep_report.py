@@ -222,8 +222,12 @@ def label_of(step):
     return "final val loss" if step is None else f"val loss at step {step}"
 
 
+def measure_of(step):
+    return final if step is None else at_step(step)
+
+
 def markdown(runs, figure_name, step=None):
-    table = grid(runs, final if step is None else at_step(step))
+    table = grid(runs, measure_of(step))
     best = {a: best_lr(cells) for a, cells in table.items()}
     what = ("Final val loss (the last evaluation of a completed run)" if step is None else
             f"Val loss at step {step} (the evaluation there; 'completed': runs evaluated at step {step} that had "
@@ -253,7 +257,7 @@ def figure(runs, path, step=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table = grid(runs, final if step is None else at_step(step))
+    table = grid(runs, measure_of(step))
     best = {a: best_lr(cells) for a, cells in table.items()}
     lrs = sorted({lr for cells in table.values() for lr in cells})
     panels = 2 if len(lrs) > 1 else 1
