@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from bench.results import Results  # noqa: E402
 from bench.published import PUBLISHED, published_direction, published_step  # noqa: E402
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction  # noqa: E402
-from kernels.matrix_sign import CLIP_SCHEDULE  # noqa: E402
+from kernels.matrix_sign import CLIP_SCHEDULE, POLAR_SCHEDULE  # noqa: E402
 from manifolds.dual import SolverOptions, solve_tall  # noqa: E402
 from manifolds.assignment import parse_assignment  # noqa: E402
 from manifolds.geometry import MANIFOLDS  # noqa: E402
@@ -187,14 +187,15 @@ EIGH_FLOPS = 9  # x q^3: symmetric eigendecomposition with eigenvectors (Golub &
 
 def clip_flops(q, clip, msign_iters=len(CLIP_SCHEDULE)):
     """One spectral clip of a 2q x q matrix Y (the reduced problem); its two matrix signs take
-    the minimax schedule's 5 steps (dual.clip_msign), the warm start's polar factor 7."""
+    the minimax schedule's 5 steps (dual.clip_msign; 4 under TF32 products)."""
     if clip == "eigh":  # Y^T Y, eigh, Q f Q^T, Y h
         return 4 * q ** 3 + EIGH_FLOPS * q ** 3 + 2 * q ** 3 + 4 * q ** 3
     # msign(Y), sym(O^T Y), msign of the q x q E, O (...)
     return msign_flops(2 * q, q, msign_iters) + 4 * q ** 3 + msign_iters * 6 * q ** 3 + 4 * q ** 3
 
 
-def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_iters=7):
+def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_iters=7,
+               polar_iters=len(POLAR_SCHEDULE)):
     """FLOPs (2 per multiply-add, symmetric products counted in full) of the constrained
     matrices' direction + retraction per step, warm-started (every step but the first).
 
@@ -202,7 +203,7 @@ def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_
     direction, the retraction), plus the dual steps' products.
     ours, p x q tall (p >= 2q), the 2q x q reduced problem of manifolds/span.py:
       K = V^T V (8 p q^2), Schur complement and Cholesky (~2.3 q^3), ||Proj_T G||_op
-      (14 q^3), warm start (4 q^3 + a polar factor), per ADMM iteration one spectral clip
+      (14 q^3), warm start (4 q^3 + a polar factor of polar_iters steps), per ADMM iteration one spectral clip
       (`clip_flops`; the tangent projection at [D; 0] is O(q^2)), the multiplier and residual
       (8 q^3), the lift V c (4 p q^2 + 3 q^3), the exact final projection and spectral
       normalisation (6 p q^2 + 10 q^3), the retraction (3 Newton-Schulz steps, 12 p q^2);
@@ -223,7 +224,7 @@ def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_
         if manifold == "stiefel" and p == q:
             solve = 2 * p * q * q + msign_flops(p, q, msign_iters) + 2 * q ** 3 + 8 * q ** 3
         elif p >= 2 * q:
-            start = clip_flops(q, clip) if clip == "eigh" else msign_flops(2 * q, q, msign_iters)  # the polar factor
+            start = clip_flops(q, clip) if clip == "eigh" else msign_flops(2 * q, q, polar_iters)  # the polar factor
             solve = (8 * p * q * q + 2.3 * q ** 3 + 14 * q ** 3 + 4 * q ** 3 + start
                      + iterations * clip_flops(q, clip) + 8 * q ** 3 + 4 * p * q * q + 3 * q ** 3)
         else:

@@ -54,6 +54,21 @@ CLIP_SCHEDULE = (
     (1.884209319102, -1.260194949471, 0.376020948699),
     (1.875000270375, -1.250000300646, 0.375000030271),
 )
+# minimax_schedule(POLAR_LOWER, 6): ADMM's starting polar factor (dual.polar), from Y's
+# singular values in [0.005, 1] after the normalisation; after step k they lie within
+# 0.959, 0.838, 0.495, 0.083, 3.6e-4, 1.1e-10 of 1 (Polar Express + polish: 7 steps)
+POLAR_LOWER = 0.005
+POLAR_SCHEDULE = (
+    (8.298703491438, -24.430498148218, 18.090304193079),
+    (3.915220960461, -2.921130232184, 0.559223259813),
+    (3.174603657056, -2.380432833895, 0.497826393520),
+    (2.189462839794, -1.567220683456, 0.407887157996),
+    (1.882279208094, -1.258064443314, 0.375807355231),
+    (1.875000000000, -1.250000000000, 0.375000000000),
+)
+# TF32 operands carry ~5e-4 of relative rounding (2^-11): a minimax schedule's last step, which
+# takes singular values from ~5e-4 of 1 to ~1e-10, buys an accuracy such products cannot deliver
+# (bench/RESULTS.md, issue 15: direction quality unchanged without it). See `steps_for`.
 # ||S||_F^(1/2) is an exact bound; 1% covers the rounding of S (TF32 operands: ~1e-3 relative)
 BOUND_SAFETY = 1.01
 
@@ -92,6 +107,13 @@ def minimax_schedule(lower, steps):
         errors.append(error)
         l, u = 1 - error, 1 + error
     return schedule, errors
+
+
+def steps_for(schedule, low_precision):
+    """How many steps of CLIP_SCHEDULE or POLAR_SCHEDULE to run: all of them for fp32 products;
+    all but the last for products at TF32 or below (low_precision), where the step before
+    already lands within ~5e-4 of 1, TF32's own rounding (tests/test_kernels.py checks it)."""
+    return len(schedule) - 1 if low_precision else len(schedule)
 
 
 def normalized(X, ops):

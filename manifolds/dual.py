@@ -43,7 +43,8 @@ from dataclasses import dataclass, fields
 import torch
 
 import kernels
-from kernels.matrix_sign import CLIP_SCHEDULE
+from kernels.matrix_sign import CLIP_SCHEDULE, POLAR_SCHEDULE, steps_for
+from kernels.precision import tf32_active
 from manifolds.geometry import geometry
 from manifolds.span import StackedSpans, top_eigenvalue
 
@@ -80,9 +81,11 @@ class SolverOptions:
                                 # fp32: geometry.retract(tf32_correction=True), the same violation)
     capturable: object = "auto"  # True: no host syncs (fixed budgets, decisions on the device; see the
                                  # module docstring); False: early exits; "auto": True on CUDA tensors
-    clip_msign: str = "minimax"  # the polynomial clip's two matrix signs: "minimax" (5 steps of
-                                 # kernels.matrix_sign.CLIP_SCHEDULE) or "polar-express" (msign_steps +
-                                 # polish_steps, 7 by default); the same direction quality (bench/RESULTS.md)
+    clip_msign: str = "minimax"  # the polynomial clip's two matrix signs and ADMM's starting polar
+                                 # factor: "minimax" (kernels.matrix_sign.CLIP_SCHEDULE, 5 steps, and
+                                 # POLAR_SCHEDULE, 6; one fewer each at TF32) or "polar-express"
+                                 # (msign_steps + polish_steps, 7 by default); the same direction
+                                 # quality (bench/RESULTS.md)
 
     @classmethod
     def from_kwargs(cls, **kwargs):
@@ -162,13 +165,24 @@ def gram_function(Y, f):
 
 
 def polar(Y, opts):
-    """msign(Y) = U V^T for tall Y = U S V^T."""
+    """msign(Y) = U V^T for tall Y = U S V^T: ADMM's starting Z. Polynomial: the minimax
+    schedule for singular values in [0.005, 1] (6 steps, 5 at TF32), or Polar Express and its
+    polish (7) under clip_msign="polar-express"; the same direction quality (bench/RESULTS.md)."""
     if use_eigh(opts, Y):
         # Singular values below 1e-3 of the largest are rounding noise in Y^T Y (fp32) and
         # would be blown up to 1; they are scaled as if they were 1e-3 (Polar Express, from a
         # Frobenius normalisation, likewise leaves such directions short of 1).
         return gram_function(Y, lambda lam: lam.clamp_min(1e-6 * lam.amax(dim=-1, keepdim=True)).rsqrt())
+    if opts.clip_msign == "minimax":
+        return minimax_msign(Y, POLAR_SCHEDULE, opts)
     return kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
+
+
+def minimax_msign(Y, schedule, opts):
+    """msign by a minimax schedule of kernels.matrix_sign, one step shorter where the products
+    run at TF32 or below (matrix_sign.steps_for)."""
+    low_precision = tf32_active() or Y.dtype in (torch.bfloat16, torch.float16)
+    return kernels.msign(Y, steps_for(schedule, low_precision), 0, opts.backend, schedule=schedule)
 
 
 def spectral_clip(Y, opts):
@@ -196,12 +210,13 @@ def clip_msign(Y, opts):
     """msign for spectral_clip (SolverOptions.clip_msign). "minimax": ADMM's clip inputs, after
     the matrix sign's normalisation by ||Y^T Y||_F^(1/2), keep their singular values (and E's
     eigenvalues that matter: those near 0 change min(P, I) little) above ~0.02 (measured on real
-    momenta: >= 0.019), so the minimax schedule for [0.02, 1] reaches fp32 in 5 steps where
-    Polar Express (built for 1e-3) and its polish take 7."""
+    momenta: >= 0.019), so the minimax schedule for [0.02, 1] reaches fp32 in 5 steps, and
+    TF32's rounding in 4 (what runs under tf32 iterations), where Polar Express (built for 1e-3)
+    and its polish take 7."""
     if opts.clip_msign not in CLIP_MSIGNS:
         raise ValueError(f"unknown clip_msign {opts.clip_msign!r}; valid: {', '.join(CLIP_MSIGNS)}")
     if opts.clip_msign == "minimax":
-        return kernels.msign(Y, len(CLIP_SCHEDULE), 0, opts.backend, schedule=CLIP_SCHEDULE)
+        return minimax_msign(Y, CLIP_SCHEDULE, opts)
     return kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
 
 

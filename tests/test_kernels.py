@@ -109,6 +109,27 @@ def test_clip_schedule_is_the_minimax_schedule_and_lands_within_1e9_of_one():
     assert (msign(X, steps=5).double() - U @ V.T).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("name, lower", [("CLIP_SCHEDULE", "CLIP_LOWER"), ("POLAR_SCHEDULE", "POLAR_LOWER")])
+def test_minimax_schedules_land_in_tf32_rounding_one_step_early_and_in_fp32_at_the_end(name, lower):
+    """steps_for drops a schedule's last step at TF32: the step before must already leave its
+    range within ~5e-4 of 1 (TF32's unit rounding 2^-11 = 4.9e-4), and the whole schedule must
+    reach fp32 (what the products then deliver)."""
+    ms = kernels.matrix_sign
+    schedule, lower = getattr(ms, name), getattr(ms, lower)
+    computed, _ = ms.minimax_schedule(lower, len(schedule))
+    for ours, theirs in zip(schedule, computed):
+        assert ours == pytest.approx(theirs, abs=1e-9)
+    x = torch.linspace(lower, 1.0, 200001, dtype=torch.float64)
+    distances = []
+    for a, b, c in schedule:
+        x = a * x + b * x ** 3 + c * x ** 5
+        distances.append(float((x - 1).abs().max()))
+    assert ms.steps_for(schedule, low_precision=True) == len(schedule) - 1
+    assert ms.steps_for(schedule, low_precision=False) == len(schedule)
+    assert distances[-2] < 2 ** -10 < distances[-3]  # one step short lands at TF32, two short do not
+    assert distances[-1] < 1e-9
+
+
 def test_orthonormalize_near_converges_quadratically():
     torch.manual_seed(3)
     Q = polar(torch.randn(64, 16)).float()
