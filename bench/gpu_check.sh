@@ -103,7 +103,7 @@ else
     SHARD_TOKENS=16000000  # 200 steps x 64 x 1024 = 13.1M: one pass, nothing repeated
     TESTS=()
     KERNELS=(--dtypes bf16,fp32 --rep-ms 50)
-    STEP_TIME=(--kernels auto torch --clips auto eigh)
+    STEP_TIME=(--kernels auto torch --clips auto eigh --cuda-graph)
     OPTIMIZER=(--n-embd 768 --n-layer 12 --device cuda --steps 2 --warmup 1)
     TRAIN=(--max-steps 200 --warmup-steps 20 --compile --eval-every 100 --eval-tokens 65536 --log-every 10)
 fi
@@ -213,6 +213,11 @@ def step_time():
             if isinstance(r, dict):
                 figure = (f"FAILED {r['error']}" if "error" in r else
                           f"Muon {r['muon_step_ms']:7.1f} ms = {100 * r['ratio']:5.1f}% of fwd+bwd {fb:.0f} ms")
+                if "graph_ms" in r:
+                    figure += (f"; CUDA graph {r['graph_ms']:7.1f} ms = {100 * r['graph_ratio']:5.1f}%"
+                               f" (vs eager {r['graph_max_abs_diff']:.1e})")
+                elif "graph_error" in r:
+                    figure += f"; CUDA graph FAILED {r['graph_error']}"
                 print(f"step_time: {assign:13s} {name:11s} {figure}")
 
 

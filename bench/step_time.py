@@ -8,6 +8,12 @@ token batch (random tokens; split into --micro-batch pieces to bound memory), th
 ManifoldMuon step on the real gradients for each --assign given, as the trainer runs it (warm
 started after the first step), for each kernel backend and ADMM clip, and prints optimizer ms /
 forward+backward ms. Medians of --repeat timed runs after a warm-up.
+
+With --cuda-graph each setting is also captured as one CUDA graph (torch.cuda.CUDAGraph; the
+sync-free step, lr in device tensors as a graph-replayed loop keeps it) and its replay timed:
+the launch overhead the eager step pays on the host. The replay is checked against an eager
+step from the same state (`graph_max_abs_diff`); on CPU the same replay semantics are checked
+by tests/test_capturable.py with bench/graph_replay.py.
 """
 import argparse
 import os
@@ -33,6 +39,40 @@ def timed(fn, device, repeat):
     return sorted(times)[len(times) // 2]
 
 
+def step_tensors(opt):
+    """Every tensor a step reads and writes: the parameters and the optimizer state."""
+    tensors = [p for group in opt.param_groups for p in group["params"]]
+    return tensors + [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def graphed_step(opt, device):
+    """(replay, max |eager - replayed| of the parameters after one step from the same state).
+
+    The warm-up steps run on a side stream (torch.cuda.graph's recipe: allocations and Triton's
+    autotuning happen there, outside the capture), then one warm step is captured. The lr goes
+    into device tensors first: a captured float would be a constant."""
+    for group in opt.param_groups:
+        if not torch.is_tensor(group["lr"]):
+            group["lr"] = torch.tensor(float(group["lr"]), device=device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            opt.step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    before = [t.clone() for t in step_tensors(opt)]
+    opt.step()
+    eager = [p.clone() for group in opt.param_groups for p in group["params"]]
+    torch._foreach_copy_(step_tensors(opt), before)  # in place: the capture must see these tensors
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    graph.replay()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    diff = max(float((a - b).abs().max()) for a, b in zip(eager, params))
+    return graph.replay, diff
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--assign", nargs="+", default=["hetero", "unconstrained"])
@@ -47,9 +87,13 @@ def main(argv=None):
     ap.add_argument("--clips", nargs="+", default=["auto", "eigh"],
                     help="ADMM spectral clips to time (auto = polynomial on GPU; eigh = eigendecomposition)")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also time each setting's step replayed from one CUDA graph (needs CUDA)")
     ap.add_argument("--out", default=None, help="JSON results, rewritten after every measurement")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.cuda_graph and device.type != "cuda":
+        ap.error("--cuda-graph needs a CUDA device (on CPU, tests/test_capturable.py emulates the replay)")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     results = Results(args.out, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                       torch=torch.__version__, config=vars(args))
@@ -86,10 +130,22 @@ def main(argv=None):
                     results.put(assign, name, value={"error": f"{type(err).__name__}: {err}"})
                     print(f"{assign:14s} kernels {name}: FAILED {type(err).__name__}: {err}", flush=True)
                     continue
-                results.put(assign, name, value={"muon_step_ms": 1000 * opt, "ratio": opt / fb,
-                                                 "solver": muon.stats()})
-                print(f"{assign:14s} kernels {name:12s} Muon step {1000 * opt:8.1f} ms | "
-                      f"optimizer / fwd+bwd = {100 * opt / fb:5.1f}%", flush=True)
+                value = {"muon_step_ms": 1000 * opt, "ratio": opt / fb, "solver": muon.stats()}
+                line = (f"{assign:14s} kernels {name:12s} Muon step {1000 * opt:8.1f} ms | "
+                        f"optimizer / fwd+bwd = {100 * opt / fb:5.1f}%")
+                if args.cuda_graph:
+                    try:
+                        replay, diff = graphed_step(muon, device)
+                        graph_ms = 1000 * timed(replay, device, args.repeat)
+                        value.update(graph_ms=graph_ms, graph_ratio=graph_ms / (1000 * fb), graph_max_abs_diff=diff)
+                        line += f" | CUDA graph {graph_ms:8.1f} ms = {100 * graph_ms / (1000 * fb):5.1f}% (diff {diff:.1e})"
+                    except Exception as err:
+                        value["graph_error"] = f"{type(err).__name__}: {err}"
+                        line += f" | CUDA graph FAILED {type(err).__name__}: {err}"
+                    for group in muon.param_groups:  # the next setting runs eagerly again
+                        group["lr"] = float(group["lr"])
+                results.put(assign, name, value=value)
+                print(line, flush=True)
         del model, muon, adamw, step_model
         torch.cuda.empty_cache() if device.type == "cuda" else None
 

@@ -82,7 +82,14 @@ class Piece:
 def per_matrix(W, values):
     """A group option of each matrix of a bank, as a factor of W (n, p, q): a Python number when
     they are all equal (the usual case; no host-to-device copy), else an (n, 1, 1) tensor copied
-    from pinned memory without blocking (a pageable copy would wait for the device)."""
+    from pinned memory without blocking (a pageable copy would wait for the device).
+
+    Options given as 0-dim tensors on W's device (a CUDA-graph-replayed step: the trainer writes
+    the scheduled lr into them, the replay reads them) stay on the device: no copy, no sync."""
+    if any(torch.is_tensor(v) for v in values):
+        if len({id(v) for v in values}) == 1:
+            return values[0].to(W.dtype)
+        return torch.stack([torch.as_tensor(v, dtype=W.dtype, device=W.device) for v in values])[:, None, None]
     if len(set(values)) == 1:
         return values[0]
     host = torch.tensor(values, dtype=W.dtype)
@@ -377,15 +384,28 @@ class ManifoldMuon(torch.optim.Optimizer):
             new_W = geometry(manifold, opts.dgram_cap).retract(
                 W - eta * solution.A, near=True, backend=opts.backend,
                 tf32_correction=iteration_precision(opts, W) == "tf32")
-            for i, piece in enumerate(pieces):  # solvers without a warm start return no state
-                if solution.state is None:
-                    self.state[piece.param].pop(piece.dual_key, None)
-                else:
-                    self.state[piece.param][piece.dual_key] = solution.state[i]
+            self._keep_warm_starts(pieces, solution.state)
         # tensors, not floats: reading them would sync the device every bank
         self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max(),
                                  "fallbacks": solution.fallbacks}
         return [w.mT if piece.wide else w for piece, w in zip(pieces, new_W.unbind(0))]
+
+    def _keep_warm_starts(self, pieces, states):
+        """Store each piece's warm start, into its tensor of the last step where there is one
+        (one foreach copy): a CUDA graph replays the step on fixed memory, so state that the
+        next step reads must be written in place, not replaced by a new tensor. Solvers without
+        a warm start return no state (None)."""
+        if states is None:
+            for piece in pieces:
+                self.state[piece.param].pop(piece.dual_key, None)
+            return
+        old = [self.state[piece.param].get(piece.dual_key) for piece in pieces]
+        if all(o is not None and o.shape == s.shape and o.dtype == s.dtype and o.device == s.device
+               for o, s in zip(old, states)):
+            torch._foreach_copy_(old, list(states.unbind(0)))
+            return
+        for piece, state in zip(pieces, states.unbind(0)):
+            self.state[piece.param][piece.dual_key] = state.clone()
 
     def stats(self):
         """{bank: {"iterations": int, "residual": float, "fallbacks": int}} of the last step:

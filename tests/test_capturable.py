@@ -3,6 +3,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.graph_replay import NotCapturable, Recorded
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
 from manifolds.dual import SolverOptions, solve_tall
 from manifolds.geometry import geometry
@@ -211,3 +212,53 @@ def test_trainer_flags_reach_the_solver():
     train_gpt2.validate_args(args)
     muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
     assert solver_options(muon.param_groups[0]).admm_rho_warm == 0.3
+
+
+def graph_run(replay, lr_as_tensor, steps=5):
+    """The hetero bank stepped `steps` times under a changing lr and fresh gradients, both written
+    into the same tensors each step (what a CUDA-graph-replayed training loop does); with
+    `replay`, the third step is recorded and the later ones replayed (bench/graph_replay.py)."""
+    groups = hetero_bank()
+    for group in groups:
+        group["lr"] = torch.tensor(0.05) if lr_as_tensor else 0.05
+    params = [p for g in groups for p in g["params"]]
+    opt = ManifoldMuon(groups, capturable=True)
+    gen = torch.Generator().manual_seed(1)
+    recorded = None
+    for step, lr in enumerate([0.05, 0.04, 0.03, 0.02, 0.01][:steps]):
+        for p in params:
+            grad = torch.randn(p.shape, generator=gen)
+            p.grad = grad if p.grad is None else p.grad.copy_(grad)
+        for group in opt.param_groups:
+            group["lr"].fill_(lr) if lr_as_tensor else group.__setitem__("lr", lr)
+        if not replay or step < 2:
+            opt.step()  # the cold first step, then the first warm one (it creates the warm starts)
+        elif recorded is None:
+            with Recorded() as recorded:
+                opt.step()
+        else:
+            recorded.replay()
+    return [p.detach().clone() for p in params], len(recorded or ())
+
+
+def test_the_capturable_step_replays_like_a_cuda_graph_with_the_lr_in_a_tensor():
+    """A replay reads the capture's tensors: the warm starts must be updated in place and the
+    scheduled lr read from a device tensor. Replayed steps 4 and 5 equal eager ones bitwise;
+    with a float lr the replay keeps step 3's lr, which this emulation sees."""
+    eager, _ = graph_run(replay=False, lr_as_tensor=True)
+    replayed, ops = graph_run(replay=True, lr_as_tensor=True)
+    assert ops > 100
+    for a, b in zip(eager, replayed):
+        assert torch.equal(a, b)
+    float_eager, _ = graph_run(replay=False, lr_as_tensor=False)
+    float_replayed, _ = graph_run(replay=True, lr_as_tensor=False)
+    for a, b in zip(eager, float_eager):  # a tensor lr computes what a float one does
+        assert torch.equal(a, b)
+    assert max((a - b).abs().max() for a, b in zip(float_eager, float_replayed)) > 1e-3
+
+
+def test_graph_replay_emulation_refuses_a_host_sync():
+    X = torch.ones(3)
+    with pytest.raises(NotCapturable):
+        with Recorded():
+            bool(X.sum() > 0)

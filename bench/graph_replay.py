@@ -1,0 +1,65 @@
+"""CUDA-graph replay, emulated on CPU: does a step still compute the right thing when replayed?
+
+A CUDA graph records the kernels of one call and replays them on the same memory: every
+later replay reads the tensors that were the inputs at capture (at their current values) and
+writes its results to the addresses of the capture. A step is replayable when all it reads
+from outside (parameters, gradients, optimizer state, learning rates) lives in those same
+tensors, updated in place, and nothing it does depends on Python values that change between
+steps (a float lr is baked in as a constant; a state tensor replaced by a new one is never
+read again; a host read of a device value cannot be recorded at all).
+
+`Recorded` emulates that on any device with torch's dispatcher: while recording, every aten
+op runs and is kept with its argument tensors (by identity) and its outputs; `replay()` runs
+the same ops again on the same argument tensors and copies each fresh output into the
+recorded one (the graph's fixed addresses). Ops of the same tensor objects, not re-traced
+Python: exactly what a graph replays. Two differences from a real graph: kernels outside
+torch's dispatcher (Triton launches) are not recorded, so use the torch backend, and the
+recorded intermediates stay allocated (as a graph's memory pool does).
+
+    with Recorded() as step:
+        opt.step()          # runs, and is recorded
+    ...                     # write new gradients / lr into the same tensors
+    step.replay()           # the optimizer step of those, as a graph replay would compute it
+"""
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# aten ops that read a device value on the host: a graph cannot record them
+HOST_READS = ("_local_scalar_dense", "is_nonzero", "item")
+
+
+class NotCapturable(RuntimeError):
+    pass
+
+
+class Recorded(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []  # (func, args, kwargs, recorded outputs)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in HOST_READS:
+            raise NotCapturable(f"{func} reads a device value on the host (a sync): a CUDA graph cannot record it")
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+    def replay(self):
+        """Run the recorded ops again on the same tensors (see the module docstring)."""
+        with torch.no_grad():
+            for func, args, kwargs, recorded in self.ops:
+                fresh = func(*args, **kwargs)
+                for old, new in zip(tree_flatten(recorded)[0], tree_flatten(fresh)[0]):
+                    if not isinstance(old, torch.Tensor) or old is new or _same_memory(old, new):
+                        continue  # in-place ops return their argument, views alias it
+                    old.copy_(new)
+
+    def __len__(self):
+        return len(self.ops)
+
+
+def _same_memory(a, b):
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
