@@ -43,6 +43,7 @@ from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
 from manifolds.assignment import MATRIX_KEYS, parse_assignment, qkv_blocks, valid_choices
 from manifolds.optimizer import SOLVER_DEFAULTS
+from manifolds.step_graph import StepGraph
 
 # ----------------------------------------------------------------------------------------
 # Configuration
@@ -143,6 +144,11 @@ def parse_args(argv=None):
     t.add_argument("--capturable", choices=("auto", "on", "off"), default="auto",
                    help="sync-free optimizer step: fixed iteration budgets and every decision on the device "
                         "(no host syncs; the iterations an early exit would save are run); auto = on on GPU")
+    t.add_argument("--cuda-graph", choices=("off", "on"), default="off",
+                   help="replay the Muon step from one CUDA graph, captured at the third step of the process "
+                        "(no launch overhead; needs the sync-free step: --capturable auto on GPU, or on); the lr "
+                        "then lives in device tensors. On CPU the replay is emulated (manifolds/step_graph.py), "
+                        "for checking only")
     t.add_argument("--solver-precision", choices=("auto", "fp32", "tf32", "bf16"), default="auto",
                    help="ADMM's inner iterations: fp32 (3xTF32 kernels on GPU), tf32 (TF32 tensor cores, "
                         "fp32 accumulation; emulated on CPU), or bf16; the final projection and retraction "
@@ -216,6 +222,13 @@ def validate_args(args, world_size=None):
     if args.optimizer == "adamw" and args.assign.strip() != "unconstrained":
         raise UserError(f"--optimizer adamw trains no matrix on a manifold: pass --assign unconstrained "
                         f"(got --assign {args.assign})")
+    if args.cuda_graph == "on":
+        if args.optimizer == "adamw":
+            raise UserError("--cuda-graph replays the Muon step: it needs --optimizer muon")
+        if args.assign.strip() == "auto":
+            raise UserError("--cuda-graph with --assign auto: a switch of manifolds changes the step the graph holds")
+        if args.capturable == "off" or (args.capturable == "auto" and not wants_cuda(args)):
+            raise UserError("--cuda-graph needs the sync-free step: --capturable on (auto is on only on GPUs)")
     args.grad_accum = grad_accum_steps(args, world_size or int(os.environ.get("WORLD_SIZE", "1")))
     if args.assign.strip() == "auto":
         if args.auto_base.strip() == "auto":
@@ -264,7 +277,7 @@ def init_distributed(args):
     if world_size == 1:
         return DistEnv()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = wants_cuda(args)
     if use_cuda:
         torch.cuda.set_device(local_rank)
     # Before init_process_group, on purpose: the functions of torch.distributed.nn.functional take
@@ -810,8 +823,12 @@ def write_json(path, obj):
         raise write_error(path, err) from None
 
 
+def wants_cuda(args):
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
 def resolve_device(args, env=DistEnv()):
-    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+    if wants_cuda(args):
         if not torch.cuda.is_available():
             raise UserError("--device cuda was asked for but no CUDA device is available")
         device = torch.device("cuda", env.local_rank)
@@ -1076,6 +1093,12 @@ def train(args, env, cleanup):
             else:
                 save_atomic(state, checkpoint_path(args.out_dir, step, prefix))
 
+    graphed = args.cuda_graph == "on"
+    muon_step = muon.step
+    if graphed:
+        for group in muon.param_groups:
+            group["lr"] = torch.tensor(float(group["lr"]), device=device)
+        muon_step = StepGraph(muon.step, device)
     stop = StopRequest().install()
     prefetch = Prefetcher(batches, start_step, device)
     status, diverged, step, saved_step = "completed", None, start_step - 1, start_step
@@ -1087,8 +1110,11 @@ def train(args, env, cleanup):
             lr = lr_at(step, args)
             for group in adamw.param_groups:
                 group["lr"] = lr
-            for group in muon.param_groups:
-                group["lr"] = args.muon_lr * lr / args.lr
+            for group in muon.param_groups:  # a replayed graph reads the lr from its tensor
+                if graphed:
+                    group["lr"].fill_(args.muon_lr * lr / args.lr)
+                else:
+                    group["lr"] = args.muon_lr * lr / args.lr
             loss_sum = torch.zeros((), device=device)
             for micro in range(args.grad_accum):
                 x, y = prefetch.next(step, micro)
@@ -1104,11 +1130,11 @@ def train(args, env, cleanup):
                 torch.cuda.synchronize()
             t_opt = time.perf_counter()
             adamw.step()
-            muon.step()
+            muon_step()
             if qk_clip is not None:
                 qk_clip.step()
             adamw.zero_grad(set_to_none=True)
-            muon.zero_grad(set_to_none=True)
+            muon.zero_grad(set_to_none=not graphed)  # a graph reads the gradients it was captured with
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t1 = time.perf_counter()

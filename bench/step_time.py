@@ -13,7 +13,7 @@ With --cuda-graph each setting is also captured as one CUDA graph (torch.cuda.CU
 sync-free step, lr in device tensors as a graph-replayed loop keeps it) and its replay timed:
 the launch overhead the eager step pays on the host. The replay is checked against an eager
 step from the same state (`graph_max_abs_diff`); on CPU the same replay semantics are checked
-by tests/test_capturable.py with bench/graph_replay.py.
+by tests/test_capturable.py with manifolds/step_graph.py.
 """
 import argparse
 import os

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.graph_replay import NotCapturable, Recorded
+from manifolds.step_graph import NotCapturable, Recorded
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
 from manifolds.dual import SolverOptions, solve_tall
 from manifolds.geometry import geometry
@@ -217,7 +217,7 @@ def test_trainer_flags_reach_the_solver():
 def graph_run(replay, lr_as_tensor, steps=5):
     """The hetero bank stepped `steps` times under a changing lr and fresh gradients, both written
     into the same tensors each step (what a CUDA-graph-replayed training loop does); with
-    `replay`, the third step is recorded and the later ones replayed (bench/graph_replay.py)."""
+    `replay`, the third step is recorded and the later ones replayed (manifolds/step_graph.py)."""
     groups = hetero_bank()
     for group in groups:
         group["lr"] = torch.tensor(0.05) if lr_as_tensor else 0.05

@@ -185,6 +185,8 @@ def test_degenerate_data_is_an_error_before_training(tmp_path):
     (["--grad-clip", "nan"], "--grad-clip must be a finite number, got nan"),
     (["--lr=-inf"], "--lr must be a finite number"),
     (["--auto-saturation", "1.5"], "--auto-saturation is a probability"),
+    (["--cuda-graph", "on"], "--cuda-graph needs the sync-free step: --capturable on"),
+    (["--cuda-graph", "on", "--capturable", "on", "--assign", "auto"], "--cuda-graph with --assign auto"),
 ])
 def test_non_finite_and_out_of_range_flags_are_refused(data_dir, tmp_path, flags, message):
     result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *RUN, *flags),

@@ -180,3 +180,17 @@ def test_prefetched_batches_are_the_loops_batches_in_order(data_dir):
     with pytest.raises(AssertionError, match="out of loop order"):
         prefetch.next(10, 1)
     prefetch.close()
+
+
+def test_the_muon_step_replayed_from_a_graph_trains_as_the_eager_one(data_dir, tmp_path):
+    """--cuda-graph on: the Muon step captured at the third step and replayed after (on CPU by
+    the emulation of manifolds/step_graph.py): lr in device tensors, gradients kept in place.
+    The same losses to the last bit as the eager sync-free step, through warm-up and decay."""
+    common = ["--max-steps", "8", "--warmup-steps", "3", "--eval-every", "8", "--eval-tokens", "1024",
+              "--capturable", "on", "--log-every", "1"]
+    eager = train(data_dir, tmp_path / "eager", *common)
+    graphed = train(data_dir, tmp_path / "graph", *common, "--cuda-graph", "on")
+    losses = lambda d: [r["train_loss"] for r in read_rows(d) if "train_loss" in r]  # noqa: E731
+    assert len(losses(tmp_path / "eager")) == 8
+    assert losses(tmp_path / "graph") == losses(tmp_path / "eager")
+    assert graphed["final_val_loss"] == eager["final_val_loss"]

@@ -1,4 +1,5 @@
-"""CUDA-graph replay, emulated on CPU: does a step still compute the right thing when replayed?
+"""The optimizer step replayed from one CUDA graph (`StepGraph`), and that replay emulated on
+any device (`Recorded`), so that a CPU can check what a GPU would replay.
 
 A CUDA graph records the kernels of one call and replays them on the same memory: every
 later replay reads the tensors that were the inputs at capture (at their current values) and
@@ -63,3 +64,44 @@ class Recorded(TorchDispatchMode):
 def _same_memory(a, b):
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype)
+
+
+class StepGraph:
+    """`step()` run eagerly for its first `warmup` calls (a cold step, then a warm one that
+    creates the warm starts; on CUDA on a side stream, as torch.cuda.graph's recipe asks, so
+    that allocations and Triton's autotuning happen outside the capture), then captured once
+    and replayed on every later call: on CUDA as a torch.cuda.CUDAGraph, elsewhere by
+    `Recorded` (the same replay semantics, for checking; no faster).
+
+    The caller keeps what the step reads in the capture's tensors: the lr in device tensors
+    written with fill_, the gradients accumulated into the same .grad (zero_grad(set_to_none=
+    False)); and the step must be sync-free (ManifoldMuon(capturable=True))."""
+
+    def __init__(self, step, device, warmup=2):
+        self.step, self.device, self.warmup = step, torch.device(device), warmup
+        self.calls, self.replay, self.graph = 0, None, None
+
+    def __call__(self):
+        self.calls += 1
+        cuda = self.device.type == "cuda"
+        if self.calls <= self.warmup:
+            if not cuda:
+                return self.step()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        elif self.replay is None:
+            if cuda:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.step()
+                self.replay = self.graph.replay
+                self.replay()  # a capture records the kernels without running them
+            else:
+                with Recorded() as recorded:
+                    self.step()  # records and runs
+                self.replay = recorded.replay
+        else:
+            self.replay()
