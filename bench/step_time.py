@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt2  # noqa: E402
 from bench.results import Results  # noqa: E402
+from manifolds.step_graph import StepGraph  # noqa: E402
 
 
 def timed(fn, device, repeat):
@@ -46,31 +47,23 @@ def step_tensors(opt):
 
 
 def graphed_step(opt, device):
-    """(replay, max |eager - replayed| of the parameters after one step from the same state).
-
-    The warm-up steps run on a side stream (torch.cuda.graph's recipe: allocations and Triton's
-    autotuning happen there, outside the capture), then one warm step is captured. The lr goes
-    into device tensors first: a captured float would be a constant."""
+    """(replay, max |eager - replayed| of the parameters after one step from the same state):
+    the step through manifolds.step_graph.StepGraph (two warm-up steps, then the capture), with
+    the lr in device tensors first (a captured float would be a constant)."""
     for group in opt.param_groups:
         if not torch.is_tensor(group["lr"]):
             group["lr"] = torch.tensor(float(group["lr"]), device=device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            opt.step()
-    torch.cuda.current_stream(device).wait_stream(side)
+    graphed = StepGraph(opt.step, device)
+    graphed()
+    graphed()
     before = [t.clone() for t in step_tensors(opt)]
     opt.step()
-    eager = [p.clone() for group in opt.param_groups for p in group["params"]]
-    torch._foreach_copy_(step_tensors(opt), before)  # in place: the capture must see these tensors
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-    graph.replay()
-    params = [p for group in opt.param_groups for p in group["params"]]
-    diff = max(float((a - b).abs().max()) for a, b in zip(eager, params))
-    return graph.replay, diff
+    eager = [p.detach().clone() for group in opt.param_groups for p in group["params"]]
+    with torch.no_grad():  # in place: the capture must see these tensors
+        torch._foreach_copy_(step_tensors(opt), before)
+    graphed()  # captured, then replayed once
+    params = [p.detach() for group in opt.param_groups for p in group["params"]]
+    return graphed, max(float((a - b).abs().max()) for a, b in zip(eager, params))
 
 
 def main(argv=None):
