@@ -52,6 +52,11 @@ class Recorded(TorchDispatchMode):
         with torch.no_grad():
             for func, args, kwargs, recorded in self.ops:
                 fresh = func(*args, **kwargs)
+                for new in tree_flatten(fresh)[0]:
+                    if hasattr(new, "wait") and not isinstance(new, torch.Tensor):
+                        # an async collective's handle: the eager code waited on it outside the
+                        # dispatcher, where a recording cannot see it; a graph orders it on its stream
+                        new.wait()
                 for old, new in zip(tree_flatten(recorded)[0], tree_flatten(fresh)[0]):
                     if not isinstance(old, torch.Tensor) or old is new or _same_memory(old, new):
                         continue  # in-place ops return their argument, views alias it

@@ -132,3 +132,15 @@ def test_gpu_path_flags_train_close_to_eager_fp32(nproc, tmp_path):
     assert losses(bf16, "train_loss") != losses(eager, "train_loss")
     for summary in (s_compiled, s_bf16):
         assert summary["status"] == "completed" and summary["replica_max_abs_diff"] == 0.0
+
+
+def test_two_ranks_replaying_the_muon_step_from_a_graph_train_as_eager(tmp_path):
+    """--cuda-graph on at 2 ranks (the replay emulated on CPU, the all-gather inside it): every
+    loss to the bit as the eager sync-free step, and the replicas equal."""
+    data_dir = make_shards(str(tmp_path / "data"))
+    flags = ["--assign", "hetero", "--capturable", "on"]
+    eager, _ = launch(2, tmp_path / "eager", data_dir, *flags)
+    graph, summary = launch(2, tmp_path / "graph", data_dir, *flags, "--cuda-graph", "on")
+    assert losses(graph, "train_loss") == losses(eager, "train_loss") and len(losses(eager, "train_loss")) == 8
+    assert losses(graph, "val_loss") == losses(eager, "val_loss")
+    assert summary["replica_max_abs_diff"] == 0.0
