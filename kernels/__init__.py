@@ -119,3 +119,11 @@ def sym_product(X, alpha=1.0, backend="auto"):
 def matmul_add(B, X, C, alpha=1.0, beta=1.0, backend="auto"):
     """beta C + alpha B X."""
     return products_for(backend, B, X, C).matmul_add(B, X, C, alpha, beta)
+
+
+def matmul(B, X, backend="auto"):
+    """B X at the kernels' precision (fp32 operands: 3xTF32 on GPUs, TF32 inside tf32_products()),
+    where a plain torch matmul would run IEEE fp32 on CUDA cores. matmul_add with beta = 0 and a
+    stride-0 zero for C: nothing of size is read or written besides B, X and the result."""
+    zero = torch.zeros((), dtype=X.dtype, device=X.device).expand(B.shape[:-1] + X.shape[-1:])
+    return matmul_add(B, X, zero, alpha=1.0, beta=0.0, backend=backend)

@@ -40,6 +40,8 @@ def matmul_add(B, X, C, alpha=1.0, beta=1.0):
     product = operand(B) @ operand(X)
     if alpha == -1.0 and beta == 1.0:
         return C - product
+    if beta == 0.0:  # C is not read (kernels.matmul passes a stride-0 zero)
+        return product if alpha == 1.0 else alpha * product
     if alpha != 1.0:
         product = alpha * product
     return (C if beta == 1.0 else beta * C) + product

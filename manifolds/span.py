@@ -10,8 +10,8 @@ X = Q x every quantity the solvers use is the same in the coordinates x:
 
 with R_W = R[:, :q] (its Gram R_W^T R_W = W^T W, so it is on the manifold exactly when W
 is; on it R_W = [D; 0], see SpanReduction), R_G = R[:, q:]. The problem (W, G) is the
-problem (R_W, R_G), 2q x q: the iterations cost O(q^3) whatever p is, and the row count enters only through K = V^T V = R^T R (one
-p x 2q x 2q product) and the final lift A = Q x = V (R^(-1) x).
+problem (R_W, R_G), 2q x q: the iterations cost O(q^3) whatever p is, and the row count enters only through K = V^T V = R^T R (its
+blocks W^T G and G^T G) and the final lift A = Q x = V (R^(-1) x), both products of the kernels.
 
 Precision: R comes from the Cholesky factor of K in fp32. When G is nearly rank-deficient
 or nearly inside span[W], V is nearly singular and the lift needs huge coefficients
@@ -54,14 +54,20 @@ class StackedSpans:
         Stiefel: 1); `backend` computes the Grams K (kernels.sym_product)."""
         q = banks[0][0].size(-1)
         self.sizes = [W.size(0) for W, *_ in banks]
+        self.backend = backend
         # G scaled to columns of unit mean norm, like W's: K then measures the conditioning
         # of V, not G's scale. The reduced G is scaled back (the solution does not depend on
         # G's scale, a warm-start multiplier does).
         scales = [q ** 0.5 / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30) for _, G, _, _ in banks]
         self.V = [torch.cat([W, G * scale], dim=-1) for (W, G, _, _), scale in zip(banks, scales)]
-        K = torch.cat([kernels.sym_product(V.mT, backend=backend) for V in self.V])
-        K = 0.5 * (K + K.mT)
-        self.d = torch.diagonal(K[..., :q, :q], dim1=-2, dim2=-1).clamp_min(1e-30).sqrt()
+        # K = V^T V by blocks: of W^T W only the diagonal D^2 is used (the rest is 0 on the
+        # manifold), so it is never formed: W^T G and G^T G (upper tiles) are half of K's FLOPs
+        WG = torch.cat([kernels.matmul(V[..., :q].mT, V[..., q:], backend=backend) for V in self.V])
+        GG = torch.cat([kernels.sym_product(V[..., q:].mT, backend=backend) for V in self.V])
+        d2_W = torch.cat([V[..., :q].square().sum(dim=-2) for V in self.V])
+        K = torch.cat([torch.cat([torch.diag_embed(d2_W), WG], dim=-1),
+                       torch.cat([WG.mT, 0.5 * (GG + GG.mT)], dim=-1)], dim=-2)
+        self.d = d2_W.clamp_min(1e-30).sqrt()
         self.d2 = torch.cat([d2 for *_, d2 in banks])  # Stiefel: 1, which d^2 is up to rounding
         self.pair = self.d2.unsqueeze(-1) + self.d2.unsqueeze(-2)
         self.R12 = K[..., :q, q:] / self.d.unsqueeze(-1)
@@ -112,7 +118,8 @@ class StackedSpans:
         # the Gram's error bound squared: it flagged the accurate answers of real gradients, whose
         # ||c|| is large along directions G nearly annihilates, and sent them to the fallback.)
         precise = self.valid & torch.isfinite(growth) & (growth.sqrt() * eps <= LIFT_TOLERANCE)
-        return [(V @ c_i, ok) for V, c_i, ok in zip(self.V, self.split(c), self.split(precise))]
+        return [(kernels.matmul(V, c_i, backend=self.backend), ok)
+                for V, c_i, ok in zip(self.V, self.split(c), self.split(precise))]
 
 
 class SpanReduction(StackedSpans):
