@@ -138,6 +138,9 @@ def parse_args(argv=None):
     t.add_argument("--admm-rho-warm", type=float, default=SOLVER_DEFAULTS["admm_rho_warm"],
                    help="ADMM's penalty from a warm start, relative to the spectral norm of the projected "
                         "momentum (a cold start uses 0.5); bench/RESULTS.md measures it on real momenta")
+    t.add_argument("--admm-rho-growth", type=float, default=SOLVER_DEFAULTS["admm_rho_growth"],
+                   help="from a warm start ADMM's penalty grows by this factor per iteration (1 = constant); "
+                        "bench/RESULTS.md measures it on real momenta")
     t.add_argument("--clip", choices=("auto", "eigh", "polynomial"), default="auto",
                    help="ADMM's polar factor and spectral clip: eigendecomposition of the q x q Gram, or "
                         "Polar Express kernels; auto = eigh on CPU, polynomial on GPU")
@@ -190,7 +193,7 @@ def validate_args(args, world_size=None):
     for name in positive:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("lr", "muon_lr", "admm_rho_warm"):
+    for name in ("lr", "muon_lr", "admm_rho_warm", "admm_rho_growth"):
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not args.diverge_factor > 1:
@@ -660,7 +663,8 @@ def build_optimizers(model, args, device, auto=None):
     muon_ids = {id(p) for group in groups for p in group["params"]}
     muon = ManifoldMuon(groups, lr=args.muon_lr, momentum=args.momentum, nesterov=True,
                         weight_decay=args.weight_decay, solver=args.solver, dual_steps=args.dual_steps,
-                        admm_steps=args.admm_steps, admm_rho_warm=args.admm_rho_warm, backend=args.kernels,
+                        admm_steps=args.admm_steps, admm_rho_warm=args.admm_rho_warm,
+                        admm_rho_growth=args.admm_rho_growth, backend=args.kernels,
                         dgram_cap=args.dgram_cap,
                         clip=args.clip, precision=args.solver_precision,
                         capturable={"auto": "auto", "on": True, "off": False}[args.capturable])

@@ -5,6 +5,8 @@
         --precision fp32 tf32 bf16         (the inner iterations' precision, as a GPU runs them)
     OMP_NUM_THREADS=1 python bench/warm_sweep.py --penalties 0.1 --iterations 4 --clip polynomial \
         --precision tf32 --clip-msign minimax polar-express   (the clip's matrix signs)
+    OMP_NUM_THREADS=1 python bench/warm_sweep.py --penalties 0.1 --growth 1 2 --iterations 4 \
+        --clip polynomial --precision tf32 --momenta runs/momenta-hetero-256-long.pt   (a growing penalty)
 
 For a 768x256 Stiefel and a 1024x256 DGram matrix and 4 drifting momentum-like gradients, runs
 the solver step after step (each warm-started from the one before, as the optimizer does) for
@@ -37,6 +39,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--penalties", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5])
     ap.add_argument("--relax", type=float, nargs="+", default=[1.5])
+    ap.add_argument("--growth", type=float, nargs="+", default=[SolverOptions().admm_rho_growth],
+                    help="the warm penalty's growth per iteration (SolverOptions.admm_rho_growth), each a row")
     ap.add_argument("--iterations", type=int, nargs="+", default=[4, 5, 6, 8])
     ap.add_argument("--clip", default="auto", choices=("auto", "eigh", "polynomial"),
                     help="ADMM's clip (auto = eigh on this CPU; polynomial is what a GPU runs)")
@@ -57,19 +61,20 @@ def main():
         opt, _ = optimum(W[0].double(), Gs[-1][0].double(), manifold, iters=800)
         cases.append((W, Gs, manifold, opt))
     names = [f"{m} {it} it." for it in args.iterations for _, _, m, _ in cases]
-    print(f"warm, the 4th step, clip {args.clip}:  penalty relax precision clip-msign | " + " | ".join(names))
-    for penalty, relax, precision, clip_msign in setting_rows(args):
+    print(f"warm, the 4th step, clip {args.clip}:  penalty growth relax precision clip-msign | " + " | ".join(names))
+    for penalty, growth, relax, precision, clip_msign in setting_rows(args):
         row = []
         for it in args.iterations:
             for W, Gs, manifold, opt in cases:
-                opts = SolverOptions(admm_steps=it, tol=0, admm_rho_warm=penalty, admm_relax=relax,
-                                     clip=args.clip, precision=precision, capturable=True, clip_msign=clip_msign)
+                opts = SolverOptions(admm_steps=it, tol=0, admm_rho_warm=penalty, admm_rho_growth=growth,
+                                     admm_relax=relax, clip=args.clip, precision=precision, capturable=True, clip_msign=clip_msign)
                 state = None
                 for G in Gs:
                     solution = solve_tall(W, G, manifold, state, opts)
                     state = solution.state
                 row.append(quality(W[0].double(), Gs[-1][0].double(), solution.A[0].double(), opt))
-        print(f"{penalty:7.3f} {relax:5.2f} {precision} {clip_msign} | " + " | ".join(f"{x:.4f}" for x in row),
+        print(f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} | "
+              + " | ".join(f"{x:.4f}" for x in row),
               flush=True)
     print("cold (first step, 6 iterations):  penalty | " + " | ".join(m for _, _, m, _ in cases))
     for penalty in args.penalties:
@@ -80,8 +85,8 @@ def main():
 
 
 def setting_rows(args):
-    return [(penalty, relax, precision, clip_msign) for penalty in args.penalties for relax in args.relax
-            for precision in args.precision for clip_msign in args.clip_msign]
+    return [(penalty, growth, relax, precision, clip_msign) for penalty in args.penalties for growth in args.growth
+            for relax in args.relax for precision in args.precision for clip_msign in args.clip_msign]
 
 
 def windows(steps):
@@ -117,10 +122,11 @@ def replay(args):
     names = [f"step {last} {steps[-1][b][1]} {'x'.join(map(str, steps[-1][b][2].shape[1:]))}"
              for last, steps, targets in cases for b in sorted({b for b, _ in targets})]
     print(f"real momenta ({args.momenta}), warm-started through each window, clip {args.clip}; worst / mean "
-          "quality of a bank's matrices:  penalty relax precision clip-msign iterations | " + " | ".join(names))
-    for penalty, relax, precision, clip_msign in setting_rows(args):
+          "quality of a bank's matrices:  penalty growth relax precision clip-msign iterations | " + " | ".join(names))
+    for penalty, growth, relax, precision, clip_msign in setting_rows(args):
         for it in args.iterations:
-            opts = SolverOptions(admm_steps=it, tol=0, admm_rho_warm=penalty, admm_relax=relax, clip=args.clip,
+            opts = SolverOptions(admm_steps=it, tol=0, admm_rho_warm=penalty, admm_rho_growth=growth,
+                                 admm_relax=relax, clip=args.clip,
                                  precision=precision, capturable=True, clip_msign=clip_msign)
             cells = []
             for _, steps, targets in cases:
@@ -134,7 +140,8 @@ def replay(args):
                     values = [quality(W[m].double(), G[m].double(), solutions[b].A[m].double(), targets[(b, m)])
                               for bb, m in targets if bb == b]
                     cells.append(f"{min(values):.4f} / {sum(values) / len(values):.4f}")
-            print(f"{penalty:7.3f} {relax:5.2f} {precision} {clip_msign} {it} | " + " | ".join(cells), flush=True)
+            print(f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} {it} | " + " | ".join(cells),
+                  flush=True)
 
 
 if __name__ == "__main__":
