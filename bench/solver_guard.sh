@@ -8,7 +8,7 @@
 #   SETTINGS="iters20 gpu gpu-fp32" ASSIGNS=hetero bash bench/solver_guard.sh
 #     (gpu: what a GPU runs by default, the polynomial clip, sync-free, TF32 inner iterations
 #     emulated on this CPU; gpu-fp32: the same at fp32; gpu-rho03/05: gpu with the warm ADMM
-#     penalty 0.3 / 0.5 instead of 0.1)
+#     penalty 0.3 / 0.5 instead of 0.1; gpu-growth1: gpu with a constant warm penalty)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS:-"1 2"}
@@ -25,7 +25,8 @@ declare -A SOLVER=([default]="" [iters20]="--admm-steps 20 --dual-steps 20"
                    [gpu]="--clip polynomial --capturable on --solver-precision tf32"
                    [gpu-fp32]="--clip polynomial --capturable on --solver-precision fp32"
                    [gpu-rho03]="--clip polynomial --capturable on --solver-precision tf32 --admm-rho-warm 0.3"
-                   [gpu-rho05]="--clip polynomial --capturable on --solver-precision tf32 --admm-rho-warm 0.5")
+                   [gpu-rho05]="--clip polynomial --capturable on --solver-precision tf32 --admm-rho-warm 0.5"
+                   [gpu-growth1]="--clip polynomial --capturable on --solver-precision tf32 --admm-rho-growth 1")
 SETTINGS=${SETTINGS:-"default iters20"}
 ASSIGNS=${ASSIGNS:-"hetero all-stiefel"}
 for setting in $SETTINGS; do
