@@ -66,9 +66,6 @@ POLAR_SCHEDULE = (
     (1.882279208094, -1.258064443314, 0.375807355231),
     (1.875000000000, -1.250000000000, 0.375000000000),
 )
-# TF32 operands carry ~5e-4 of relative rounding (2^-11): a minimax schedule's last step, which
-# takes singular values from ~5e-4 of 1 to ~1e-10, buys an accuracy such products cannot deliver
-# (bench/RESULTS.md, issue 15: direction quality unchanged without it). See `steps_for`.
 # ||S||_F^(1/2) is an exact bound; 1% covers the rounding of S (TF32 operands: ~1e-3 relative)
 BOUND_SAFETY = 1.01
 
@@ -111,8 +108,10 @@ def minimax_schedule(lower, steps):
 
 def steps_for(schedule, low_precision):
     """How many steps of CLIP_SCHEDULE or POLAR_SCHEDULE to run: all of them for fp32 products;
-    all but the last for products at TF32 or below (low_precision), where the step before
-    already lands within ~5e-4 of 1, TF32's own rounding (tests/test_kernels.py checks it)."""
+    all but the last for products at TF32 or below (low_precision). TF32 operands carry ~5e-4
+    of relative rounding (2^-11), and the step before the last already lands within that of 1
+    (tests/test_kernels.py checks it): the last step, to ~1e-10, buys an accuracy such products
+    cannot deliver (bench/RESULTS.md, issue 15: direction quality unchanged without it)."""
     return len(schedule) - 1 if low_precision else len(schedule)
 
 
