@@ -100,7 +100,9 @@ class StepGraph:
         elif self.replay is None:
             if cuda:
                 self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
+                # thread_local: the trainer's prefetch thread pins the next batch meanwhile (a CUDA
+                # host allocation), which the default "global" mode would refuse during a capture
+                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                     self.step()
                 self.replay = self.graph.replay
                 self.replay()  # a capture records the kernels without running them
