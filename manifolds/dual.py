@@ -66,6 +66,9 @@ class SolverOptions:
     admm_rho_growth: float = 2.0  # from a warm start the penalty grows by this factor per iteration
                                   # (0.1, 0.2, 0.4, 0.8 x ||Proj_T G||): real momenta gain 0.03 of the
                                   # optimum at 4 iterations, synthetic ones lose nothing (bench/RESULTS.md)
+    admm_rho_max: float = 10.0  # ... up to this (relative, like admm_rho_warm): a bound for large
+                                # budgets (20 iterations would reach 0.1 x 2^19); the default ones
+                                # stay below it (near-square: 0.1 .. 6.4, then 10)
     admm_relax: float = 1.5     # ADMM over-relaxation (1 = plain ADMM)
     reduce: bool = True         # ADMM on tall matrices (rows >= 2 cols) as the 2q x q problem in span[W, G]
     msign_steps: int = 5        # Polar Express iterations per matrix sign
@@ -453,8 +456,9 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
     # is kept, so the fixed point is unchanged.
     growth = 1.0 if correction is None else opts.admm_rho_growth
     for k in range(steps):
-        if k > 0 and growth != 1.0:
-            rho, U = rho * growth, U / growth
+        if k > 0 and growth != 1.0 and penalty * growth ** (k - 1) < opts.admm_rho_max:
+            factor = min(growth, opts.admm_rho_max / (penalty * growth ** (k - 1)))
+            rho, U = rho * factor, U / factor
         B = project(Z - U + G / rho)
         relaxed = alpha * B + (1 - alpha) * Z  # over-relaxation: same fixed point, fewer iterations
         Z_new = spectral_clip(relaxed + U, opts)

@@ -208,10 +208,34 @@ def test_trainer_flags_reach_the_solver():
         assert (opts.capturable, opts.precision) == (capturable, precision)
         assert opts.admm_rho_warm == SolverOptions().admm_rho_warm
     args = train_gpt2.parse_args(["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-                                  "--admm-rho-warm", "0.3"])
+                                  "--admm-rho-warm", "0.3", "--admm-rho-growth", "1.5"])
     train_gpt2.validate_args(args)
     muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
-    assert solver_options(muon.param_groups[0]).admm_rho_warm == 0.3
+    opts = solver_options(muon.param_groups[0])
+    assert (opts.admm_rho_warm, opts.admm_rho_growth) == (0.3, 1.5)
+    assert SolverOptions().admm_rho_growth == 2.0 and opts.admm_rho_growth != SolverOptions().admm_rho_growth
+
+
+def test_a_growing_warm_penalty_keeps_the_fixed_point_and_gets_closer_in_the_budget():
+    """admm_rho_growth rescales U with rho, so the scaled multiplier rho U, and with it the fixed
+    point, is the same: with many iterations growth 1 and 2 reach the same direction. At the
+    default budget the growing penalty is closer to the optimum on a degenerate problem (square
+    DGram: many singular values of A* below 1), and long budgets (the penalty capped) converge."""
+    def warm(shape, manifold, **options):
+        W, G = random_point(shape, manifold, seed=5)
+        best, _ = optimum(W.double(), G.double(), manifold, iters=800)
+        opts = SolverOptions(tol=0, capturable=True, **options)
+        noise = 0.05 * torch.randn(G.shape, generator=torch.Generator().manual_seed(1))
+        state = solve_tall(W[None], (G + noise)[None], manifold, None, opts).state
+        A = solve_tall(W[None], G[None], manifold, state, opts).A[0]
+        return quality(W.double(), G.double(), A.double(), best), A
+
+    (constant, A1), (growing, A2) = (warm((96, 32), "stiefel", admm_steps=30, admm_rho_growth=g) for g in (1.0, 2.0))
+    assert constant > 0.9999 and growing > 0.9999
+    torch.testing.assert_close(A1, A2, rtol=0, atol=2e-3)
+    assert warm((48, 48), "dgram", admm_rho_growth=2.0)[0] > warm((48, 48), "dgram", admm_rho_growth=1.0)[0] + 0.02
+    long_run, A = warm((48, 48), "dgram", admm_steps=100)  # 200 iterations, 190 of them at the cap
+    assert torch.isfinite(A).all() and long_run > 0.999
 
 
 def graph_run(replay, lr_as_tensor, steps=5):
