@@ -209,6 +209,18 @@ def test_matmul_add_agrees_on_transposed_views(dtype, tol):
     assert max_error(fused, expected) < tol * float(expected.abs().max())  # relative to the largest entry
 
 
+def test_plain_matmul_reads_its_stride_zero_c_as_zero_in_both_backends():
+    """kernels.matmul (the span Gram's W^T G, the lift V c): matmul_add with beta = 0 and a
+    stride-0 zero C, batched and on a transposed view, as the span reduction calls it."""
+    V, c = randn(2, 3, 90, 40), randn(2, 3, 40, 20)
+    for backend in ("triton", "torch"):
+        lifted = kernels.matmul(V, c, backend=backend)
+        assert lifted.shape == (2, 3, 90, 20)
+        assert max_error(lifted, V @ c) < 1e-5 * float((V @ c).abs().max())
+        WtG = kernels.matmul(V[..., :20].mT, V[..., 20:], backend=backend)
+        assert max_error(WtG, V[..., :20].mT @ V[..., 20:]) < 1e-5 * float(WtG.abs().max())
+
+
 TANGENT_CASES = [("stiefel", (3, 70, 40)), ("dgram", (3, 70, 40)), ("dgram", (45, 33))]
 
 
