@@ -43,7 +43,7 @@ from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
 from manifolds.assignment import MATRIX_KEYS, parse_assignment, qkv_blocks, valid_choices
 from manifolds.optimizer import SOLVER_DEFAULTS
-from manifolds.step_graph import StepGraph
+from manifolds.step_graph import StepGraph, lr_in_device_tensors
 
 # ----------------------------------------------------------------------------------------
 # Configuration
@@ -1100,8 +1100,7 @@ def train(args, env, cleanup):
     graphed = args.cuda_graph == "on"
     muon_step = muon.step
     if graphed:
-        for group in muon.param_groups:
-            group["lr"] = torch.tensor(float(group["lr"]), device=device)
+        lr_in_device_tensors(muon, device)
         muon_step = StepGraph(muon.step, device)
     stop = StopRequest().install()
     prefetch = Prefetcher(batches, start_step, device)

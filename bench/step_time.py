@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt2  # noqa: E402
 from bench.results import Results  # noqa: E402
-from manifolds.step_graph import StepGraph  # noqa: E402
+from manifolds.step_graph import StepGraph, lr_in_device_tensors  # noqa: E402
 
 
 def timed(fn, device, repeat):
@@ -50,9 +50,7 @@ def graphed_step(opt, device):
     """(replay, max |eager - replayed| of the parameters after one step from the same state):
     the step through manifolds.step_graph.StepGraph (two warm-up steps, then the capture), with
     the lr in device tensors first (a captured float would be a constant)."""
-    for group in opt.param_groups:
-        if not torch.is_tensor(group["lr"]):
-            group["lr"] = torch.tensor(float(group["lr"]), device=device)
+    lr_in_device_tensors(opt, device)
     graphed = StepGraph(opt.step, device)
     graphed()
     graphed()

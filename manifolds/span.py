@@ -64,27 +64,27 @@ class StackedSpans:
         # manifold), so it is never formed: W^T G and G^T G (upper tiles) are half of K's FLOPs
         WG = torch.cat([kernels.matmul(V[..., :q].mT, V[..., q:], backend=backend) for V in self.V])
         GG = torch.cat([kernels.sym_product(V[..., q:].mT, backend=backend) for V in self.V])
+        GG = 0.5 * (GG + GG.mT)
         d2_W = torch.cat([V[..., :q].square().sum(dim=-2) for V in self.V])
-        K = torch.cat([torch.cat([torch.diag_embed(d2_W), WG], dim=-1),
-                       torch.cat([WG.mT, 0.5 * (GG + GG.mT)], dim=-1)], dim=-2)
         self.d = d2_W.clamp_min(1e-30).sqrt()
         self.d2 = torch.cat([d2 for *_, d2 in banks])  # Stiefel: 1, which d^2 is up to rounding
         self.pair = self.d2.unsqueeze(-1) + self.d2.unsqueeze(-2)
-        self.R12 = K[..., :q, q:] / self.d.unsqueeze(-1)
-        schur = K[..., q:, q:] - self.R12.mT @ self.R12
+        self.R12 = WG / self.d.unsqueeze(-1)
+        schur = GG - self.R12.mT @ self.R12
         # + SCHUR_SHIFT I: G is often rank-deficient by construction (a matrix that reads LayerNorm
         # outputs has a gradient with the exact null vector 1 / gamma), which leaves the Schur
         # complement singular. The shift makes the reduced problem that of a G~ with
         # G~^T G~ = G^T G + shift I (G has unit mean column norm here: a relative change of
         # ~1e-3 / sqrt(q)); the lift V c drops the shifted direction again (V [0; u] = G u = 0),
         # and its pivot sqrt(shift) amplifies rounding by at most 1e3, which `lift` still measures.
-        eye = torch.eye(q, dtype=K.dtype, device=K.device)
+        eye = torch.eye(q, dtype=GG.dtype, device=GG.device)
         L, info = torch.linalg.cholesky_ex(0.5 * (schur + schur.mT) + SCHUR_SHIFT * eye)
         self.valid = (info == 0) & torch.isfinite(L).all(dim=(-2, -1))
         self.R22 = torch.where(self.valid[..., None, None], L.mT, eye)
         self.W = torch.cat([torch.diag_embed(self.d), torch.zeros_like(self.R12)], dim=-2)
         self.G = torch.cat([self.R12, self.R22], dim=-2) / torch.cat(scales)
         # ||K||_op from a few plain power steps (O(q^2) each), for `lift`'s precision test
+        K = torch.cat([torch.cat([torch.diag_embed(d2_W), WG], dim=-1), torch.cat([WG.mT, GG], dim=-1)], dim=-2)
         v = power_steps(K, torch.ones(K.shape[:-1] + (1,), dtype=K.dtype, device=K.device), 8, every=2)
         self.K_norm = (v * (K @ v)).sum(dim=(-2, -1))
         geos = [geo for _, _, geo, _ in banks]

@@ -71,6 +71,13 @@ def _same_memory(a, b):
             and a.dtype == b.dtype)
 
 
+def lr_in_device_tensors(optimizer, device):
+    """Each group's lr as a 0-dim tensor on `device`: a captured float would be a constant, a
+    tensor is read by every replay (write the schedule into it with fill_)."""
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(float(group["lr"]), device=device)
+
+
 class StepGraph:
     """`step()` run eagerly for its first `warmup` calls (a cold step, then a warm one that
     creates the warm starts; on CUDA on a side stream, as torch.cuda.graph's recipe asks, so

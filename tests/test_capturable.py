@@ -3,14 +3,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from manifolds.step_graph import NotCapturable, Recorded
+from manifolds.step_graph import HOST_READS, NotCapturable, Recorded
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
 from manifolds.dual import SolverOptions, solve_tall
 from manifolds.geometry import geometry
 from reference import optimum, quality, random_point
 
 # the aten ops a host read of a device value ends in (item, bool, float, tolist, if tensor:)
-SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "item")
+SYNC_OPS = HOST_READS
 
 
 class HostSyncs(TorchDispatchMode):
