@@ -333,7 +333,8 @@ def admm_in_span(problems, opts):
     imprecise (span.lift; rare: G nearly inside span[W]), is solved again on the full matrices
     (two host syncs for all banks together). Capturable: no syncs; an imprecise matrix gets
     the Euclidean tangent projection of G instead, a descent direction at the same step
-    length, exact but not the spectral-norm steepest one, counted in `Solution.fallbacks`.
+    length, exact but not the spectral-norm steepest one, counted in `Solution.fallbacks`; it is
+    chosen by the lift's coefficients (span.StackedSpans.lift), so it costs no product of its own.
     """
     if len({correction is None for *_, correction in problems}) > 1:
         raise ValueError("admm_in_span takes banks that are all warm-started or all cold")
@@ -353,14 +354,12 @@ def admm_in_span(problems, opts):
         correction = None if corrections[0] is None else torch.cat(corrections)
         B, correction_new, residual, iterations = span_iterations(spans, correction, opts)
         lifted = [(i, X, ok, c, r) for i, (X, ok), c, r in zip(
-            stacked_ids, spans.lift(B), spans.split(correction_new), spans.split(residual))]
+            stacked_ids, spans.lift(B, fallback=sync_free), spans.split(correction_new), spans.split(residual))]
         precise = ([True] * len(lifted) if sync_free
                    else torch.stack([ok.all() for _, _, ok, _, _ in lifted]).tolist())
         done = []  # (i, X, correction, residual, fallbacks) of the banks whose span answer stands
         for (i, X, ok, c, r), all_ok in zip(lifted, precise):
-            W, G, geo, _ = problems[i]
-            if sync_free:
-                X = masked_update(ok, geo.tangent_projection(W, G, d2s[i], opts.backend), X)
+            if sync_free:  # X is already Proj_T(G) where ~ok (spans.lift)
                 done.append((i, X, masked_update(ok, torch.zeros_like(c), c), r, (~ok).sum()))
             elif all_ok:
                 done.append((i, X, c, r, 0))

@@ -63,6 +63,8 @@ class StackedSpans:
         # K = V^T V by blocks: of W^T W only the diagonal D^2 is used (the rest is 0 on the
         # manifold), so it is never formed: W^T G and G^T G (upper tiles) are half of K's FLOPs
         WG = torch.cat([kernels.matmul(V[..., :q].mT, V[..., q:], backend=backend) for V in self.V])
+        self.scale = torch.cat(scales)
+        self.WG = WG
         GG = torch.cat([kernels.sym_product(V[..., q:].mT, backend=backend) for V in self.V])
         GG = 0.5 * (GG + GG.mT)
         d2_W = torch.cat([V[..., :q].square().sum(dim=-2) for V in self.V])
@@ -105,9 +107,21 @@ class StackedSpans:
     def split(self, X):
         return torch.split(X, self.sizes)
 
-    def lift(self, x):
+    def tangent_coefficients(self):
+        """c with V c = Proj_T(G) = G - W M, M = P(W^T G + G^T W) / (d_i^2 + d_j^2) (G as given,
+        not scaled): the Euclidean tangent projection of G from the Gram block W^T G that K
+        already holds, and an exact lift (its coefficients are O(1)): c = [-M; I / scale]."""
+        q = self.d.size(-1)
+        WG = self.WG / self.scale  # W^T G of the unscaled G
+        M = self.geo.gram_projector(WG + WG.mT) / self.pair
+        eye = torch.eye(q, dtype=M.dtype, device=M.device) / self.scale
+        return torch.cat([-M, eye], dim=-2)
+
+    def lift(self, x, fallback=False):
         """[(X = V c with R c = x, precise)] bank by bank: the full p_i x q matrices of the
-        coordinates x, and whether each is accurate to about three digits (per matrix)."""
+        coordinates x, and whether each is accurate to about three digits (per matrix).
+        fallback=True: an imprecise matrix gets Proj_T(G) instead (tangent_coefficients), in the
+        same product, so the choice costs no host sync and no product of its own."""
         q = self.d.size(-1)
         c_G = torch.linalg.solve_triangular(self.R22, x[..., q:, :], upper=True)
         c_W = (x[..., :q, :] - self.R12 @ c_G) / self.d.unsqueeze(-1)
@@ -118,6 +132,8 @@ class StackedSpans:
         # the Gram's error bound squared: it flagged the accurate answers of real gradients, whose
         # ||c|| is large along directions G nearly annihilates, and sent them to the fallback.)
         precise = self.valid & torch.isfinite(growth) & (growth.sqrt() * eps <= LIFT_TOLERANCE)
+        if fallback:
+            c = torch.where(precise[..., None, None], c, self.tangent_coefficients())
         return [(kernels.matmul(V, c_i, backend=self.backend), ok)
                 for V, c_i, ok in zip(self.V, self.split(c), self.split(precise))]
 

@@ -80,3 +80,19 @@ def test_bf16_iterations_end_in_an_fp32_feasible_direction():
         assert (A * exact).sum() / (exact * exact).sum() > 0.9  # bf16 rounding, not another answer
     with pytest.raises(ValueError, match="unknown solver precision"):
         solve_tall(W[None], G[None], "dgram", None, SolverOptions(precision="fp8"))
+
+
+def test_the_fallback_coefficients_lift_to_the_euclidean_tangent_projection():
+    # The sync-free fallback (Proj_T G for a matrix whose span answer is imprecise) is chosen
+    # inside the lift: coefficients [-M; I / scale] from K's block W^T G. Stacked over Stiefel and
+    # DGram banks of different row counts, it must equal the projection computed on the full matrices.
+    from manifolds.span import StackedSpans
+    problems = [(W, G, geometry(m)) for W, G, m in banks(seed=2)[:3]]
+    spans = StackedSpans([(W, G, geo, geo.squared_norms(W)) for W, G, geo in problems])
+    coefficients = spans.tangent_coefficients()
+    for (W, G, geo), V, c in zip(problems, spans.V, spans.split(coefficients)):
+        expected = geo.tangent_projection(W.double(), G.double())
+        torch.testing.assert_close((V @ c).double(), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+        # as tangent as the fp32 projection on the full matrices (up to rounding)
+        full = geo.tangent_residual(W.double(), geo.tangent_projection(W, G).double()).abs().max()
+        assert geo.tangent_residual(W.double(), (V @ c).double()).abs().max() <= 4 * full
