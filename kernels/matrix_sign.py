@@ -30,6 +30,8 @@ reference) or `products_triton` (fused kernels). One step is three products:
     B = b S + c S^2            sym_product(S, c, S, b)       S S^T = S^2, upper tiles only
     X <- a X + B X             matmul_add(B, X, X, 1, a)     the identity term in the epilogue
 """
+import contextlib
+
 import torch
 
 from kernels.precision import tf32_products
@@ -167,16 +169,29 @@ def orthonormalize_near(X, steps, ops, tf32_correction=False):
     manifold S - I is small (a retraction after a step of lr eta: ~eta^2), so the product's
     relative error of ~5e-4 is ~5e-4 eta^2 of X, below fp32's rounding, at a third of the cost
     of the fp32 (3xTF32) product on a GPU.
+
+    For X with at least twice as many columns as rows (wide orientation: a tall bank's matrices)
+    all steps but the last run in Gram space (`_gram_steps`): one Gram of X and one product
+    with X replace a Gram and a product per step, the rest is q x q; the last step, from a
+    Gram computed afresh, corrects whatever those left (their rounding included) as before.
+    Under tf32_correction the Gram-space steps read TF32 operands throughout: the last step's
+    fp32 Gram sees their error (~5e-4 of the distance from the manifold) and squares it away.
     """
     transpose = X.size(-2) > X.size(-1)
     if transpose:
         X = X.mT
     a, b, _ = NEWTON_SCHULZ
-    S = ops.sym_product(X)
+    in_gram_space = steps >= 2 and X.size(-1) >= 2 * X.size(-2)
+    with tf32_products() if in_gram_space and tf32_correction else contextlib.nullcontext():
+        S = ops.sym_product(X)
     eye = torch.eye(S.size(-1), dtype=S.dtype, device=S.device)
     distance = (S - eye).norm(dim=(-2, -1), keepdim=True)
     scale = torch.where(distance > 1.0, (1.0 + distance).rsqrt(), torch.ones_like(distance))
     X, S = X * scale, S * scale.square()
+    if in_gram_space:
+        with tf32_products() if tf32_correction else contextlib.nullcontext():
+            X = _gram_steps(X, S, steps - 1, ops)
+        S, steps = ops.sym_product(X), 1
     for step in range(steps):
         if step > 0:
             S = ops.sym_product(X)
@@ -186,3 +201,21 @@ def orthonormalize_near(X, steps, ops, tf32_correction=False):
         else:
             X = ops.matmul_add(S, X, X, alpha=b, beta=a)   # a X + b S X
     return X.mT if transpose else X
+
+
+def _gram_steps(X, S, steps, ops):
+    """Z X after `steps` Newton-Schulz steps from wide X with S = X X^T, Z computed on q x q:
+    X_k = Z_k X gives X_k X_k^T = Z_k S Z_k = S Z_k^2 (Z_k is a polynomial in S), so
+    Z_{k+1} = Z_k - Z_k R_k / 2 with R_k = S Z_k^2 - I, Z_0 = I.
+
+    Near the manifold S = I + E and Z = I + F with E, F small (~ the step's lr^2); the iteration
+    runs on F, so that every product is one of small matrices and rounds relative to them
+    (products of Z and S themselves leave ~1e-6 in Z S Z - I at q = 768, fp32):
+        F_1 = -E / 2;   H = Z^2 - I = 2 F + F^2,  R = E + H + E H,  F <- F - R / 2 - F R / 2."""
+    E = S - torch.eye(S.size(-1), dtype=S.dtype, device=S.device)
+    F = -0.5 * E
+    for _ in range(steps - 1):
+        H = ops.sym_product(F, alpha=1.0, C=F, beta=2.0)   # F F^T + 2 F = 2 F + F^2 (F symmetric)
+        R = ops.matmul_add(E, H, E + H)                     # E + H + E H
+        F = ops.matmul_add(F, R, F - 0.5 * R, alpha=-0.5)   # F - R / 2 - F R / 2
+    return ops.matmul_add(F, X, X)                          # X + F X

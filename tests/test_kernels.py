@@ -140,6 +140,27 @@ def test_orthonormalize_near_converges_quadratically():
     assert (orthonormalize_near(X, steps=3).double() - polar(X)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_orthonormalize_near_in_gram_space_takes_the_newton_schulz_steps(backend):
+    # Tall banks (rows >= 2 cols) run all steps but the last on q x q (matrix_sign._gram_steps):
+    # the same iterates as Newton-Schulz on X itself, computed here in float64 as the reference,
+    # and as orthonormal, with or without TF32 operands in the Gram-space steps
+    Q = polar(randn(2, 96, 32).double())
+    X = (Q + 0.006 * randn(2, 96, 32, seed=1).double()).float()  # ||X^T X - I||_op ~ 0.1
+    for steps in (2, 3):
+        reference = X.double()
+        for _ in range(steps):
+            reference = 1.5 * reference - 0.5 * reference @ (reference.mT @ reference)
+        for tf32 in (False, True):
+            out = orthonormalize_near(X, steps=steps, backend=backend, tf32_correction=tf32).double()
+            # TF32 operands leave ~5e-4 of the first correction as a small rotation (2e-6 here);
+            # a Gram-space step 10% short of -E/2 would leave 1e-5 at two steps
+            assert max_error(out, reference) < (5e-6 if tf32 else 5e-7)
+            if steps == 3:  # converged, to fp32 whatever the Gram-space steps' precision
+                gram = out.mT @ out
+                assert max_error(gram, torch.eye(32, dtype=torch.float64, device=gram.device).expand_as(gram)) < 2e-6
+
+
 def test_orthonormalize_near_stays_stable_far_from_the_manifold():
     torch.manual_seed(4)
     X = 5.0 * torch.randn(40, 10)  # singular values far above sqrt(3): plain Newton-Schulz diverges
