@@ -147,9 +147,9 @@ def relative_residual(W, sumsq):
     return rms_H / W.norm(dim=-2).mean(dim=-1).clamp_min(1e-30)
 
 
-def spectral_norm(A, iters, backend="torch"):
+def spectral_norm(A, iters, backend="torch", squarings=5):
     """||A||_op per matrix: the square root of the top eigenvalue of A^T A (q x q)."""
-    return top_eigenvalue(kernels.sym_product(A.mT, backend=backend), iters, backend).sqrt()
+    return top_eigenvalue(kernels.sym_product(A.mT, backend=backend), iters, backend, squarings).sqrt()
 
 
 def use_eigh(opts, Y):
@@ -435,7 +435,9 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
     # Started from the previous step's multiplier, a smaller penalty (a longer dual step)
     # converges faster; from nothing it overshoots (measured in bench/RESULTS.md).
     penalty = opts.admm_rho if correction is None else opts.admm_rho_warm
-    rho = (penalty * spectral_norm(GT, opts.norm_iters, opts.backend)).clamp_min(1e-30)[..., None, None]
+    # (the scale only sets the penalty: two squarings, a power of 4 x norm_iters, find the top of
+    # a momentum's spiky spectrum, and a flat one's estimate is off by a few percent, harmlessly)
+    rho = (penalty * spectral_norm(GT, opts.norm_iters, opts.backend, squarings=2)).clamp_min(1e-30)[..., None, None]
     if correction is None:
         Z, U = polar(GT, opts), torch.zeros_like(G)
     else:

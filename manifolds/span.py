@@ -149,10 +149,10 @@ class SpanReduction(StackedSpans):
         return super().lift(x)[0]
 
 
-def top_eigenvalue(S, iters, backend="torch"):
+def top_eigenvalue(S, iters, backend="torch", squarings=5):
     """Largest eigenvalue of symmetric PSD S (..., q, q) by power iteration on S^32.
 
-    Five squarings, normalised as they go, make it converge like 32 x iters plain power steps:
+    Five squarings (by default), normalised as they go, make it converge like 32 x iters plain power steps:
     the top of a near-msign Gram is a tight cluster (within 1% needs a power in the hundreds).
     The Rayleigh quotient on S itself is a lower bound, tight once v is in the top cluster.
     The squarings (S S^T = S^2: kernels.sym_product, upper tiles) only steer v: inside
@@ -160,7 +160,7 @@ def top_eigenvalue(S, iters, backend="torch"):
     matrix-vector product either way.
     """
     power = S
-    for _ in range(5):
+    for _ in range(squarings):
         power = power / power.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
         power = kernels.sym_product(power, backend=backend)
     v = torch.ones(S.shape[:-1] + (1,), dtype=S.dtype, device=S.device)
