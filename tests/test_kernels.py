@@ -109,7 +109,8 @@ def test_clip_schedule_is_the_minimax_schedule_and_lands_within_1e9_of_one():
     assert (msign(X, steps=5).double() - U @ V.T).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name, lower", [("CLIP_SCHEDULE", "CLIP_LOWER"), ("POLAR_SCHEDULE", "POLAR_LOWER")])
+@pytest.mark.parametrize("name, lower", [("CLIP_SCHEDULE", "CLIP_LOWER"), ("POLAR_SCHEDULE", "POLAR_LOWER"),
+                                         ("EXACT_SCHEDULE", "EXACT_LOWER")])
 def test_minimax_schedules_land_in_tf32_rounding_one_step_early_and_in_fp32_at_the_end(name, lower):
     """steps_for drops a schedule's last step at TF32: the step before must already leave its
     range within ~5e-4 of 1 (TF32's unit rounding 2^-11 = 4.9e-4), and the whole schedule must

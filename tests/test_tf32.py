@@ -75,6 +75,25 @@ def test_tf32_iterations_end_in_an_fp32_feasible_direction(manifold):
     assert (G0 * A).sum() >= 0.99 * (G0 * exact).sum()
 
 
+def test_square_stiefel_exact_step_at_tf32_is_the_fp32_answer():
+    # square Stiefel's exact step W msign(skew(W^T G)) runs its matrix sign at TF32 under tf32
+    # iterations (dual.exact_msign): fp32-tangent, unit, and the fp32 path's objective; a
+    # momentum-like gradient has the small singular values the [0.001, 1] schedule is for
+    from bench.optimizer import momentum_like
+    from manifolds import project_to_manifold
+    g = torch.Generator().manual_seed(0)
+    W = project_to_manifold(torch.randn(96, 96, generator=g) * 0.02, "stiefel")[None]
+    G = momentum_like((96, 96), g)[None]
+    solve = lambda precision: solve_tall(W, G, "stiefel", None, SolverOptions(  # noqa: E731
+        precision=precision, capturable=True, backend="torch")).A[0].double()
+    A, exact = solve("tf32"), solve("fp32")
+    assert geometry("stiefel").tangent_residual(W[0].double(), A).abs().max() <= 1e-6
+    assert abs(torch.linalg.matrix_norm(A, 2) - 1) <= 1e-3
+    assert 1e-6 < ((A - exact).norm() / exact.norm()).item()  # it did run at TF32
+    G0 = G[0].double()
+    assert (G0 * A).sum() >= (1 - 1e-4) * (G0 * exact).sum()  # 5 steps for [0.005, 1]: -2e-4
+
+
 def test_auto_precision_is_fp32_on_cpu_tf32_on_cuda():
     opts = SolverOptions()
     assert iteration_precision(opts, torch.zeros(2, 2)) == "fp32"
