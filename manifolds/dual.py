@@ -246,9 +246,12 @@ def finalize_banks(banks, opts):
     W^T A + A^T W that measures the residual stays fp32."""
     tf32 = iteration_precision(opts, banks[0][0]) == "tf32"
     projected = [geo.tangent_projection(W, A, d2, opts.backend, tf32_correction=tf32) for W, A, geo, d2 in banks]
-    grams = [kernels.sym_product(A.mT, backend=opts.backend).reshape((-1,) + A.shape[-1:] * 2) for A in projected]
-    # the Grams at fp32 (they set the scale), the power iteration's squarings at the iterations' precision
+    # The Grams and the power iteration's squarings at the iterations' precision: TF32 operands
+    # move the top singular value by ~1e-5 relative (rounding errors uncorrelated with its singular
+    # vectors; measured 3e-6 at 3072 x 768), far below the power iteration's own 2.5e-4 on a
+    # near-msign spectrum (bench/RESULTS.md, issue 15)
     with tf32_scope(opts, projected[0]):
+        grams = [kernels.sym_product(A.mT, backend=opts.backend).reshape((-1,) + A.shape[-1:] * 2) for A in projected]
         norms = top_eigenvalue(torch.cat(grams), opts.norm_iters, opts.backend).sqrt().clamp_min(1e-30)
     return [A / n.reshape(A.shape[:-2] + (1, 1)) for A, n in zip(projected, torch.split(norms, [len(g) for g in grams]))]
 
