@@ -314,14 +314,18 @@ class ManifoldMuon(torch.optim.Optimizer):
         for pieces, new_W in computed:  # this rank's own pieces need not wait for the exchange
             self._write(pieces, new_W)
         handle.wait()
+        targets, sources = [], []  # every other rank's pieces, written by one foreach copy
         for rank, pieces in enumerate(layout):
             if rank == self.rank:
                 continue
             offset = 0
             for piece in pieces:
                 n = piece.weight().numel()
-                piece.weight().copy_(received[rank, offset:offset + n].view(piece.weight().shape))
+                targets.append(piece.weight())
+                sources.append(received[rank, offset:offset + n].view(piece.weight().shape))
                 offset += n
+        if targets:
+            torch._foreach_copy_(targets, sources)
         shares = received[:, width - STATS * len(banks):].view(self.world_size, len(banks), STATS)
         largest, fallbacks = shares[..., :2].amax(dim=0), shares[..., 2].clamp_min(0).sum(dim=0)
         self.last_stats = {name: {"iterations": largest[i, 0], "residual": largest[i, 1], "fallbacks": fallbacks[i]}
