@@ -173,14 +173,19 @@ def gram_function(Y, f):
 
 def polar(Y, opts):
     """msign(Y) = U V^T for tall Y = U S V^T: ADMM's starting Z. Polynomial: the minimax
-    schedule for singular values in [0.005, 1] (6 steps, 5 at TF32), or Polar Express and its
-    polish (7) under clip_msign="polar-express"; the same direction quality (bench/RESULTS.md)."""
+    schedule for singular values in [0.005, 1] (6 steps; 5 in bf16 under tf32 iterations), or
+    Polar Express and its polish (7) under clip_msign="polar-express"; the same direction
+    quality (bench/RESULTS.md)."""
     if use_eigh(opts, Y):
         # Singular values below 1e-3 of the largest are rounding noise in Y^T Y (fp32) and
         # would be blown up to 1; they are scaled as if they were 1e-3 (Polar Express, from a
         # Frobenius normalisation, likewise leaves such directions short of 1).
         return gram_function(Y, lambda lam: lam.clamp_min(1e-6 * lam.amax(dim=-1, keepdim=True)).rsqrt())
     if opts.clip_msign == "minimax":
+        if Y.dtype == torch.float32 and iteration_precision(opts, Y) == "tf32":
+            # a starting point, which the iterations correct: in bf16 (twice TF32's rate) the
+            # direction quality moves by <= 1e-4 (bench/RESULTS.md, issue 15)
+            return minimax_msign(Y.to(torch.bfloat16), POLAR_SCHEDULE, opts).to(Y.dtype)
         return minimax_msign(Y, POLAR_SCHEDULE, opts)
     return kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
 

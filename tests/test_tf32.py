@@ -94,6 +94,22 @@ def test_square_stiefel_exact_step_at_tf32_is_the_fp32_answer():
     assert (G0 * A).sum() >= (1 - 1e-4) * (G0 * exact).sum()  # 5 steps for [0.005, 1]: -2e-4
 
 
+def test_admm_starting_polar_factor_runs_in_bf16_under_tf32(monkeypatch):
+    # ADMM's starting Z is only a starting point: under tf32 iterations its matrix sign runs in
+    # bf16 (dual.polar), stable with the safe minimax schedule, and comes back as fp32
+    import manifolds.dual as dual
+    seen = []
+    msign = kernels.msign
+    monkeypatch.setattr(kernels, "msign", lambda X, *a, **k: seen.append(X.dtype) or msign(X, *a, **k))
+    Y = torch.randn(2, 96, 32, generator=torch.Generator().manual_seed(0))
+    for precision, dtype in (("tf32", torch.bfloat16), ("fp32", torch.float32)):
+        seen.clear()
+        Z = dual.polar(Y, SolverOptions(precision=precision, clip="polynomial"))
+        assert seen == [dtype] and Z.dtype == torch.float32
+        U, _, Vh = torch.linalg.svd(Y.double(), full_matrices=False)
+        assert (Z.double() - U @ Vh).abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-4)
+
+
 def test_auto_precision_is_fp32_on_cpu_tf32_on_cuda():
     opts = SolverOptions()
     assert iteration_precision(opts, torch.zeros(2, 2)) == "fp32"
