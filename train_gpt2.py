@@ -154,7 +154,8 @@ def parse_args(argv=None):
                         "for checking only")
     t.add_argument("--solver-precision", choices=("auto", "fp32", "tf32", "bf16"), default="auto",
                    help="ADMM's inner iterations: fp32 (3xTF32 kernels on GPU), tf32 (TF32 tensor cores, "
-                        "fp32 accumulation; emulated on CPU), or bf16; the final projection and retraction "
+                        "fp32 accumulation; emulated on CPU; the starting polar factor and the clip's q x q "
+                        "sign in bf16), or bf16; the final projection and retraction "
                         "stay fp32 (at tf32 the retraction's small corrections are TF32 products added in "
                         "fp32); auto = tf32 on GPU, fp32 on CPU (bf16 costs direction quality, tf32 "
                         "does not measurably: bench/RESULTS.md)")

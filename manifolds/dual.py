@@ -432,9 +432,11 @@ def span_iterations(spans, correction, opts):
 
     tf32: every product of the iterations (the kernels' three products, matrix signs and clips
     included) reads its operands at TF32 and accumulates in fp32 (kernels.precision), 3x the
-    3xTF32 rate; direction quality on synthetic momenta 0.992 / 0.995 of the optimum against
-    0.993 / 0.996 in fp32 (bench/RESULTS.md). bf16: the iterates themselves are bf16 (~6x the
-    3xTF32 rate), at a measured 0.973 / 0.976. Either way the span reduction before, the lift, the exact tangent
+    3xTF32 rate, except the starting polar factor and the clip's q x q sign(P - I), which run
+    in bf16 (`polar`, `spectral_clip`); direction quality on synthetic momenta 0.992 / 0.995 of
+    the optimum against 0.993 / 0.996 in fp32 (bench/RESULTS.md). bf16: the iterates themselves
+    are bf16 (~6x the 3xTF32 rate), at a measured 0.977 / 0.977 (0.973 / 0.976 before the safe
+    schedules). Either way the span reduction before, the lift, the exact tangent
     projection, the renormalisation and the retraction after stay fp32, so the answer is
     feasible to fp32 accuracy whatever the iterations' rounding. The elementwise span
     projection runs in fp32.
