@@ -141,6 +141,10 @@ def parse_args(argv=None):
     t.add_argument("--admm-rho-growth", type=float, default=SOLVER_DEFAULTS["admm_rho_growth"],
                    help="from a warm start ADMM's penalty grows by this factor per iteration (1 = constant); "
                         "bench/RESULTS.md measures it on real momenta")
+    t.add_argument("--admm-warm-average", type=float, default=SOLVER_DEFAULTS["admm_warm_average"],
+                   help="ADMM's warm start for the next step keeps this fraction of the one the step started "
+                        "from, the rest is the step's own correction (0 = its own; in [0, 1)); "
+                        "bench/RESULTS.md measures it on real momenta")
     t.add_argument("--clip", choices=("auto", "eigh", "polynomial"), default="auto",
                    help="ADMM's polar factor and spectral clip: eigendecomposition of the q x q Gram, or "
                         "Polar Express kernels; auto = eigh on CPU, polynomial on GPU")
@@ -197,6 +201,8 @@ def validate_args(args, world_size=None):
     for name in ("lr", "muon_lr", "admm_rho_warm", "admm_rho_growth"):
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.admm_warm_average < 1:
+        raise UserError(f"--admm-warm-average must be in [0, 1), got {args.admm_warm_average}")
     if not args.diverge_factor > 1:
         raise UserError(f"--diverge-factor must be above 1, got {args.diverge_factor}")
     for name in ("min_lr", "weight_decay", "grad_clip", "warmup_steps", "dual_steps", "admm_steps", "ckpt_every"):
@@ -665,7 +671,8 @@ def build_optimizers(model, args, device, auto=None):
     muon = ManifoldMuon(groups, lr=args.muon_lr, momentum=args.momentum, nesterov=True,
                         weight_decay=args.weight_decay, solver=args.solver, dual_steps=args.dual_steps,
                         admm_steps=args.admm_steps, admm_rho_warm=args.admm_rho_warm,
-                        admm_rho_growth=args.admm_rho_growth, backend=args.kernels,
+                        admm_rho_growth=args.admm_rho_growth, admm_warm_average=args.admm_warm_average,
+                        backend=args.kernels,
                         dgram_cap=args.dgram_cap,
                         clip=args.clip, precision=args.solver_precision,
                         capturable={"auto": "auto", "on": True, "off": False}[args.capturable])

@@ -41,6 +41,9 @@ def main():
     ap.add_argument("--relax", type=float, nargs="+", default=[1.5])
     ap.add_argument("--growth", type=float, nargs="+", default=[SolverOptions().admm_rho_growth],
                     help="the warm penalty's growth per iteration (SolverOptions.admm_rho_growth), each a row")
+    ap.add_argument("--warm-average", type=float, nargs="+", default=[SolverOptions().admm_warm_average],
+                    help="the share of the previous warm start kept in the next (SolverOptions."
+                         "admm_warm_average), each a row")
     ap.add_argument("--iterations", type=int, nargs="+", default=[4, 5, 6, 8])
     ap.add_argument("--clip", default="auto", choices=("auto", "eigh", "polynomial"),
                     help="ADMM's clip (auto = eigh on this CPU; polynomial is what a GPU runs)")
@@ -61,19 +64,21 @@ def main():
         opt, _ = optimum(W[0].double(), Gs[-1][0].double(), manifold, iters=800)
         cases.append((W, Gs, manifold, opt))
     names = [f"{m} {it} it." for it in args.iterations for _, _, m, _ in cases]
-    print(f"warm, the 4th step, clip {args.clip}:  penalty growth relax precision clip-msign | " + " | ".join(names))
-    for penalty, growth, relax, precision, clip_msign in setting_rows(args):
+    print(f"warm, the 4th step, clip {args.clip}:  penalty growth relax precision clip-msign warm-average | "
+          + " | ".join(names))
+    for penalty, growth, relax, precision, clip_msign, average in setting_rows(args):
         row = []
         for it in args.iterations:
             for W, Gs, manifold, opt in cases:
                 opts = SolverOptions(admm_steps=it, tol=0, admm_rho_warm=penalty, admm_rho_growth=growth,
-                                     admm_relax=relax, clip=args.clip, precision=precision, capturable=True, clip_msign=clip_msign)
+                                     admm_relax=relax, clip=args.clip, precision=precision, capturable=True,
+                                     clip_msign=clip_msign, admm_warm_average=average)
                 state = None
                 for G in Gs:
                     solution = solve_tall(W, G, manifold, state, opts)
                     state = solution.state
                 row.append(quality(W[0].double(), Gs[-1][0].double(), solution.A[0].double(), opt))
-        print(f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} | "
+        print(f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} {average:.2f} | "
               + " | ".join(f"{x:.4f}" for x in row),
               flush=True)
     print("cold (first step, 6 iterations):  penalty | " + " | ".join(m for _, _, m, _ in cases))
@@ -85,8 +90,9 @@ def main():
 
 
 def setting_rows(args):
-    return [(penalty, growth, relax, precision, clip_msign) for penalty in args.penalties for growth in args.growth
-            for relax in args.relax for precision in args.precision for clip_msign in args.clip_msign]
+    return [(penalty, growth, relax, precision, clip_msign, average) for penalty in args.penalties
+            for growth in args.growth for relax in args.relax for precision in args.precision
+            for clip_msign in args.clip_msign for average in args.warm_average]
 
 
 def windows(steps):
@@ -122,12 +128,14 @@ def replay(args):
     names = [f"step {last} {steps[-1][b][1]} {'x'.join(map(str, steps[-1][b][2].shape[1:]))}"
              for last, steps, targets in cases for b in sorted({b for b, _ in targets})]
     print(f"real momenta ({args.momenta}), warm-started through each window, clip {args.clip}; worst / mean "
-          "quality of a bank's matrices:  penalty growth relax precision clip-msign iterations | " + " | ".join(names))
-    for penalty, growth, relax, precision, clip_msign in setting_rows(args):
+          "quality of a bank's matrices:  penalty growth relax precision clip-msign warm-average iterations | "
+          + " | ".join(names))
+    for penalty, growth, relax, precision, clip_msign, average in setting_rows(args):
         for it in args.iterations:
             opts = SolverOptions(admm_steps=it, tol=0, admm_rho_warm=penalty, admm_rho_growth=growth,
                                  admm_relax=relax, clip=args.clip,
-                                 precision=precision, capturable=True, clip_msign=clip_msign)
+                                 precision=precision, capturable=True, clip_msign=clip_msign,
+                                 admm_warm_average=average)
             cells = []
             for _, steps, targets in cases:
                 states = [None] * len(steps[0])
@@ -140,7 +148,8 @@ def replay(args):
                     values = [quality(W[m].double(), G[m].double(), solutions[b].A[m].double(), targets[(b, m)])
                               for bb, m in targets if bb == b]
                     cells.append(f"{min(values):.4f} / {sum(values) / len(values):.4f}")
-            print(f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} {it} | " + " | ".join(cells),
+            print(f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} {average:.2f} {it} | "
+                  + " | ".join(cells),
                   flush=True)
 
 

@@ -69,6 +69,11 @@ class SolverOptions:
     admm_rho_max: float = 10.0  # ... up to this (relative, like admm_rho_warm): a bound for large
                                 # budgets (20 iterations would reach 0.1 x 2^19); the default ones
                                 # stay below it (near-square: 0.1 .. 6.4, then 10)
+    admm_warm_average: float = 0.5  # the warm start kept for the next step: this much of the one the
+                                    # step started from, the rest the step's own fixed-point correction
+                                    # (an average over steps: each step's correction carries the
+                                    # unconverged iterations' noise; 0 = the step's own; 0.5: real
+                                    # momenta +0.002-0.010, bench/RESULTS.md)
     admm_relax: float = 1.5     # ADMM over-relaxation (1 = plain ADMM)
     reduce: bool = True         # ADMM on tall matrices (rows >= 2 cols) as the 2q x q problem in span[W, G]
     msign_steps: int = 5        # Polar Express iterations per matrix sign
@@ -512,8 +517,12 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
     _, sumsq = geo.tangent_residual(W, Z, opts.backend, with_norm=True)
     # rho U - Proj_T G = 2 W (Lambda - Lambda0): the correction, by the exact Gram-space
     # solve P(W^T Y + Y^T W) / (d_i^2 + d_j^2) = 2 (Lambda - Lambda0) for Y = rho U - Proj_T G
-    correction = geo.preconditioned(W, rho * U - GT, d2, 0.5, opts.backend)
-    return B, correction, relative_residual(W, sumsq), k + 1
+    new_correction = geo.preconditioned(W, rho * U - GT, d2, 0.5, opts.backend)
+    if correction is not None and opts.admm_warm_average:
+        # the next step starts from an average of the corrections: 4 iterations leave each one
+        # noisy, and the momentum moves slowly (real momenta gain 0.002-0.01: bench/RESULTS.md)
+        new_correction = torch.lerp(new_correction, correction, opts.admm_warm_average)
+    return B, new_correction, relative_residual(W, sumsq), k + 1
 
 
 def solve_tall(W, G, manifold, state=None, opts=None):

@@ -302,3 +302,29 @@ def test_step_time_checks_its_graph_against_an_eager_step():
     before = [p.clone() for g in groups for p in g["params"]]
     replay()
     assert all(not torch.equal(a, p) for a, p in zip(before, (p for g in groups for p in g["params"])))
+
+
+def test_the_warm_start_kept_averages_the_one_started_from_and_the_new_correction():
+    # admm_warm_average changes only what the next step starts from: this step's direction is
+    # the same, and the state kept is the given mix of the incoming and the new correction
+    W, G = random_point((96, 32), "dgram", seed=4)
+    opts = lambda average: SolverOptions(tol=0, capturable=True, admm_warm_average=average)  # noqa: E731
+    noise = torch.randn(G.shape, generator=torch.Generator().manual_seed(2), dtype=G.dtype)
+    incoming = solve_tall(W[None], (G + 0.5 * noise)[None], "dgram", None, opts(0.0)).state
+    own, mixed = (solve_tall(W[None], G[None], "dgram", incoming, opts(a)) for a in (0.0, 0.5))
+    torch.testing.assert_close(mixed.A, own.A, rtol=0, atol=0)
+    torch.testing.assert_close(mixed.state, 0.5 * incoming + 0.5 * own.state, rtol=0, atol=1e-7)
+    assert (own.state - incoming).abs().max() > 1e-4  # the two differ, so the mix is a real one
+    # the trainer's flag reaches the solver options; values outside [0, 1) are user errors
+    import train_gpt2
+    base = ["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
+    args = train_gpt2.parse_args(base + ["--admm-warm-average", "0.25"])
+    train_gpt2.validate_args(args)
+    torch.manual_seed(0)
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 16, 64))
+    muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
+    from manifolds.optimizer import solver_options
+    assert solver_options(muon.param_groups[0]).admm_warm_average == 0.25
+    for bad in ("1.0", "-0.1"):
+        with pytest.raises(train_gpt2.UserError, match="--admm-warm-average"):
+            train_gpt2.validate_args(train_gpt2.parse_args(base + ["--admm-warm-average", bad]))
