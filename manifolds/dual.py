@@ -62,13 +62,15 @@ class SolverOptions:
                                 # admm: when the relative primal and dual residuals are <= tol
     dual_lr: float = 1.0        # dual step, relative to the preconditioned Newton-like scale
     admm_rho: float = 0.5       # ADMM penalty, relative to the spectral norm of Proj_T(G), cold start
-    admm_rho_warm: float = 0.1  # the same from a warm start (bench/RESULTS.md: the sweep)
-    admm_rho_growth: float = 2.0  # from a warm start the penalty grows by this factor per iteration
-                                  # (0.1, 0.2, 0.4, 0.8 x ||Proj_T G||): real momenta gain 0.03 of the
-                                  # optimum at 4 iterations, synthetic ones lose nothing (bench/RESULTS.md)
+    admm_rho_warm: float = 0.15  # the same from a warm start (bench/RESULTS.md: the sweeps; 0.1 before
+                                 # the averaged warm start, with which 0.15 and growth 2.5 gain on
+                                 # real momenta and lose nothing on synthetic ones)
+    admm_rho_growth: float = 2.5  # from a warm start the penalty grows by this factor per iteration
+                                  # (0.15, 0.375, 0.94, 2.3 x ||Proj_T G||): real momenta gain 0.03-0.06
+                                  # of the optimum at 4 iterations over a constant 0.1 (bench/RESULTS.md)
     admm_rho_max: float = 10.0  # ... up to this (relative, like admm_rho_warm): a bound for large
-                                # budgets (20 iterations would reach 0.1 x 2^19); the default ones
-                                # stay below it (near-square: 0.1 .. 6.4, then 10)
+                                # budgets (20 iterations would reach 0.15 x 2.5^19); the tall default
+                                # stays below it (near-square: 0.15 .. 5.9, then 10)
     admm_warm_average: float = 0.5  # the warm start kept for the next step: this much of the one the
                                     # step started from, the rest the step's own fixed-point correction
                                     # (an average over steps: each step's correction carries the

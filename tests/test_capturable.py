@@ -213,7 +213,7 @@ def test_trainer_flags_reach_the_solver():
     muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
     opts = solver_options(muon.param_groups[0])
     assert (opts.admm_rho_warm, opts.admm_rho_growth) == (0.3, 1.5)
-    assert SolverOptions().admm_rho_growth == 2.0 and opts.admm_rho_growth != SolverOptions().admm_rho_growth
+    assert SolverOptions().admm_rho_growth == 2.5 and opts.admm_rho_growth != SolverOptions().admm_rho_growth
 
 
 def test_a_growing_warm_penalty_keeps_the_fixed_point_and_gets_closer_in_the_budget():
