@@ -55,7 +55,7 @@ class SolverOptions:
     dual_steps: int = 8         # at most this many multiplier updates of dual ascent
     admm_steps: int = 4         # at most this many ADMM iterations from a warm start; twice that
                                 # from a cold one, and twice again for rows < 2 cols (4: direction
-                                # quality 0.993 / 0.994 on synthetic 768 x 256 momenta, 0.925-0.96 on
+                                # quality 0.992 / 0.995 on synthetic 768 x 256 momenta, 0.95-0.97 on
                                 # recorded ones; training within seed spread of 20 iterations;
                                 # bench/RESULTS.md, issue 15)
     tol: float = 1e-4           # dual: stop when rms(P(W^T A + A^T W)) / mean column norm <= tol;
@@ -440,9 +440,9 @@ def span_iterations(spans, correction, opts):
     tf32: every product of the iterations (the kernels' three products, matrix signs and clips
     included) reads its operands at TF32 and accumulates in fp32 (kernels.precision), 3x the
     3xTF32 rate, except the starting polar factor and the clip's q x q sign(P - I), which run
-    in bf16 (`polar`, `spectral_clip`); direction quality on synthetic momenta 0.993 / 0.994 of
-    the optimum against 0.994 / 0.996 in fp32 (bench/RESULTS.md). bf16: the iterates themselves
-    are bf16 (~6x the 3xTF32 rate), at a measured 0.975 / 0.976. Either way the span reduction before, the lift, the exact tangent
+    in bf16 (`polar`, `spectral_clip`); direction quality on synthetic momenta 0.992 / 0.995 of
+    the optimum, as in fp32 (bench/RESULTS.md). bf16: the iterates themselves are bf16 (~6x the
+    3xTF32 rate), at a measured 0.974 / 0.973. Either way the span reduction before, the lift, the exact tangent
     projection, the renormalisation and the retraction after stay fp32, so the answer is
     feasible to fp32 accuracy whatever the iterations' rounding. The elementwise span
     projection runs in fp32.
