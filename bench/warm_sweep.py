@@ -66,27 +66,36 @@ def main():
     names = [f"{m} {it} it." for it in args.iterations for _, _, m, _ in cases]
     print(f"warm, the 4th step, clip {args.clip}:  penalty growth relax precision clip-msign warm-average | "
           + " | ".join(names))
-    for penalty, growth, relax, precision, clip_msign, average in setting_rows(args):
-        row = []
+    for row in setting_rows(args):
+        qualities = []
         for it in args.iterations:
             for W, Gs, manifold, opt in cases:
-                opts = SolverOptions(admm_steps=it, tol=0, admm_rho_warm=penalty, admm_rho_growth=growth,
-                                     admm_relax=relax, clip=args.clip, precision=precision, capturable=True,
-                                     clip_msign=clip_msign, admm_warm_average=average)
+                opts = row_options(args, row, it)
                 state = None
                 for G in Gs:
                     solution = solve_tall(W, G, manifold, state, opts)
                     state = solution.state
-                row.append(quality(W[0].double(), Gs[-1][0].double(), solution.A[0].double(), opt))
-        print(f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} {average:.2f} | "
-              + " | ".join(f"{x:.4f}" for x in row),
-              flush=True)
+                qualities.append(quality(W[0].double(), Gs[-1][0].double(), solution.A[0].double(), opt))
+        print(f"{row_label(row)} | " + " | ".join(f"{x:.4f}" for x in qualities), flush=True)
     print("cold (first step, 6 iterations):  penalty | " + " | ".join(m for _, _, m, _ in cases))
     for penalty in args.penalties:
         row = [quality(W[0].double(), Gs[-1][0].double(),
                        solve_tall(W, Gs[-1], m, None, SolverOptions(admm_steps=3, tol=0, admm_rho=penalty)).A[0].double(),
                        opt) for W, Gs, m, opt in cases]
         print(f"{penalty:7.3f} | " + " | ".join(f"{x:.4f}" for x in row), flush=True)
+
+
+def row_options(args, row, iterations):
+    """SolverOptions of one row of the sweep at an iteration budget (fixed budgets, sync-free)."""
+    penalty, growth, relax, precision, clip_msign, average = row
+    return SolverOptions(admm_steps=iterations, tol=0, admm_rho_warm=penalty, admm_rho_growth=growth,
+                         admm_relax=relax, clip=args.clip, precision=precision, capturable=True,
+                         clip_msign=clip_msign, admm_warm_average=average)
+
+
+def row_label(row):
+    penalty, growth, relax, precision, clip_msign, average = row
+    return f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} {average:.2f}"
 
 
 def setting_rows(args):
@@ -130,12 +139,9 @@ def replay(args):
     print(f"real momenta ({args.momenta}), warm-started through each window, clip {args.clip}; worst / mean "
           "quality of a bank's matrices:  penalty growth relax precision clip-msign warm-average iterations | "
           + " | ".join(names))
-    for penalty, growth, relax, precision, clip_msign, average in setting_rows(args):
+    for row in setting_rows(args):
         for it in args.iterations:
-            opts = SolverOptions(admm_steps=it, tol=0, admm_rho_warm=penalty, admm_rho_growth=growth,
-                                 admm_relax=relax, clip=args.clip,
-                                 precision=precision, capturable=True, clip_msign=clip_msign,
-                                 admm_warm_average=average)
+            opts = row_options(args, row, it)
             cells = []
             for _, steps, targets in cases:
                 states = [None] * len(steps[0])
@@ -148,9 +154,7 @@ def replay(args):
                     values = [quality(W[m].double(), G[m].double(), solutions[b].A[m].double(), targets[(b, m)])
                               for bb, m in targets if bb == b]
                     cells.append(f"{min(values):.4f} / {sum(values) / len(values):.4f}")
-            print(f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} {average:.2f} {it} | "
-                  + " | ".join(cells),
-                  flush=True)
+            print(f"{row_label(row)} {it} | " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,6 @@ reference) or `products_triton` (fused kernels). One step is three products:
     B = b S + c S^2            sym_product(S, c, S, b)       S S^T = S^2, upper tiles only
     X <- a X + B X             matmul_add(B, X, X, 1, a)     the identity term in the epilogue
 """
-import contextlib
-
 import torch
 
 from kernels.precision import tf32_products
@@ -207,14 +205,14 @@ def orthonormalize_near(X, steps, ops, tf32_correction=False):
         X = X.mT
     a, b, _ = NEWTON_SCHULZ
     in_gram_space = steps >= 2 and X.size(-1) >= 2 * X.size(-2)
-    with tf32_products() if in_gram_space and tf32_correction else contextlib.nullcontext():
+    with tf32_products(in_gram_space and tf32_correction):
         S = ops.sym_product(X)
     eye = torch.eye(S.size(-1), dtype=S.dtype, device=S.device)
     distance = (S - eye).norm(dim=(-2, -1), keepdim=True)
     scale = torch.where(distance > 1.0, (1.0 + distance).rsqrt(), torch.ones_like(distance))
     X, S = X * scale, S * scale.square()
     if in_gram_space:
-        with tf32_products() if tf32_correction else contextlib.nullcontext():
+        with tf32_products(tf32_correction):
             X = _gram_steps(X, S, steps - 1, ops)
         S, steps = ops.sym_product(X), 1
     for step in range(steps):

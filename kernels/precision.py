@@ -22,14 +22,15 @@ _depth = 0
 
 
 @contextlib.contextmanager
-def tf32_products():
-    """Products of fp32 operands run at TF32 inside (see the module docstring)."""
+def tf32_products(enabled=True):
+    """Products of fp32 operands run at TF32 inside (see the module docstring); enabled=False:
+    nothing changes (for scopes that depend on a setting)."""
     global _depth
-    _depth += 1
+    _depth += int(enabled)
     try:
         yield
     finally:
-        _depth -= 1
+        _depth -= int(enabled)
 
 
 def tf32_active():

@@ -37,7 +37,6 @@ dgram-cap active set runs all its rounds. What it costs: the iterations an early
 Every matrix sign and Gram-space product runs through `kernels` with `opts.backend` (fused
 Triton kernels on CUDA under "auto"); the squared column norms d2 are computed once per solve.
 """
-import contextlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -189,11 +188,9 @@ def polar(Y, opts):
         # Frobenius normalisation, likewise leaves such directions short of 1).
         return gram_function(Y, lambda lam: lam.clamp_min(1e-6 * lam.amax(dim=-1, keepdim=True)).rsqrt())
     if opts.clip_msign == "minimax":
-        if Y.dtype == torch.float32 and iteration_precision(opts, Y) == "tf32":
-            # a starting point, which the iterations correct: in bf16 (twice TF32's rate) the
-            # direction quality moves by <= 1e-4 (bench/RESULTS.md, issue 15)
-            return minimax_msign(Y.to(torch.bfloat16), POLAR_SCHEDULE, opts).to(Y.dtype)
-        return minimax_msign(Y, POLAR_SCHEDULE, opts)
+        # a starting point, which the iterations correct: in bf16 under tf32 (twice TF32's rate)
+        # the direction quality moves by <= 1e-4 (bench/RESULTS.md, issue 15)
+        return bf16_under_tf32(lambda Z: minimax_msign(Z, POLAR_SCHEDULE, opts), Y, opts)
     return kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
 
 
@@ -216,16 +213,21 @@ def spectral_clip(Y, opts):
     O = clip_msign(Y, opts)
     P = kernels.symmetric_part(O, Y, opts.backend)  # sym(O^T Y)
     E = P - torch.eye(P.size(-1), dtype=P.dtype, device=P.device)
-    if E.dtype == torch.float32 and iteration_precision(opts, E) == "tf32":
-        # sign(E) in bf16 under tf32 iterations (twice TF32's rate): the eigenvalues it gets least
-        # right, those near 0, change min(P, I) least; real-momenta quality -0.0006 on average,
-        # synthetic unchanged, where msign(Y) in bf16 loses 0.007 / 0.016 (bench/RESULTS.md)
-        sign_E = clip_msign(E.to(torch.bfloat16), opts).to(E.dtype)
-    else:
-        sign_E = clip_msign(E, opts)
+    # sign(E) in bf16 under tf32 iterations (twice TF32's rate): the eigenvalues it gets least
+    # right, those near 0, change min(P, I) least; real-momenta quality -0.0006 on average,
+    # synthetic unchanged, where msign(Y) in bf16 loses 0.007 / 0.016 (bench/RESULTS.md)
+    sign_E = bf16_under_tf32(lambda Z: clip_msign(Z, opts), E, opts)
     absE = kernels.symmetric_part(sign_E.mT, E, opts.backend)  # sym(sign(E) E)
     # O min(P, I) = O (I + (E - |E|) / 2): one product with O added in the epilogue
     return kernels.matmul_add(O, E - absE, O, alpha=0.5, backend=opts.backend)
+
+
+def bf16_under_tf32(f, X, opts):
+    """f(X) computed in bf16 (and returned in X's dtype) where the iterations run at tf32 on fp32
+    tensors, else f(X): for the matrix functions that tolerate bf16's rounding."""
+    if X.dtype == torch.float32 and iteration_precision(opts, X) == "tf32":
+        return f(X.to(torch.bfloat16)).to(X.dtype)
+    return f(X)
 
 
 CLIP_MSIGNS = ("minimax", "polar-express")
@@ -431,7 +433,7 @@ def iteration_precision(opts, W):
 
 def tf32_scope(opts, W):
     """kernels.tf32_products() where the iterations' precision is tf32, else nothing."""
-    return kernels.tf32_products() if iteration_precision(opts, W) == "tf32" else contextlib.nullcontext()
+    return kernels.tf32_products(iteration_precision(opts, W) == "tf32")
 
 
 def span_iterations(spans, correction, opts):
