@@ -132,9 +132,13 @@ def parse_args(argv=None):
     t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
     t.add_argument("--dual-steps", type=int, default=8,
                    help="most multiplier updates of the dual-ascent solver (square Stiefel matrices)")
-    t.add_argument("--admm-steps", type=int, default=4,
+    t.add_argument("--admm-steps", type=int, default=SOLVER_DEFAULTS["admm_steps"],
                    help="most iterations of the ADMM solver (all other constrained matrices) from the previous "
                         "step's warm start; twice that from a cold start and again for near-square matrices")
+    t.add_argument("--admm-pullbacks", type=int, default=SOLVER_DEFAULTS["admm_pullbacks"],
+                   help="rounds that pull the singular values of ADMM's answer above 1 back to 1 and project it "
+                        "onto the tangent space again (about a third of an iteration each; 0 = none); "
+                        "bench/RESULTS.md measures them on real momenta")
     t.add_argument("--admm-rho-warm", type=float, default=SOLVER_DEFAULTS["admm_rho_warm"],
                    help="ADMM's penalty from a warm start, relative to the spectral norm of the projected "
                         "momentum (a cold start uses 0.5); bench/RESULTS.md measures it on real momenta")
@@ -205,7 +209,8 @@ def validate_args(args, world_size=None):
         raise UserError(f"--admm-warm-average must be in [0, 1), got {args.admm_warm_average}")
     if not args.diverge_factor > 1:
         raise UserError(f"--diverge-factor must be above 1, got {args.diverge_factor}")
-    for name in ("min_lr", "weight_decay", "grad_clip", "warmup_steps", "dual_steps", "admm_steps", "ckpt_every"):
+    for name in ("min_lr", "weight_decay", "grad_clip", "warmup_steps", "dual_steps", "admm_steps", "admm_pullbacks",
+                 "ckpt_every"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(args, name)}")
     if not 0 <= args.auto_saturation <= 1:
@@ -672,6 +677,7 @@ def build_optimizers(model, args, device, auto=None):
                         weight_decay=args.weight_decay, solver=args.solver, dual_steps=args.dual_steps,
                         admm_steps=args.admm_steps, admm_rho_warm=args.admm_rho_warm,
                         admm_rho_growth=args.admm_rho_growth, admm_warm_average=args.admm_warm_average,
+                        admm_pullbacks=args.admm_pullbacks,
                         backend=args.kernels,
                         dgram_cap=args.dgram_cap,
                         clip=args.clip, precision=args.solver_precision,

@@ -75,6 +75,8 @@ def parse_args(argv=None):
     ap.add_argument("--clip", default="polynomial", choices=("auto", "eigh", "polynomial"),
                     help="ADMM's clip; polynomial is what a GPU runs (auto = eigh on this CPU)")
     ap.add_argument("--admm-steps", type=int, default=None, help="train_gpt2's --admm-steps (default: its default)")
+    ap.add_argument("--admm-pullbacks", type=int, default=None,
+                    help="train_gpt2's --admm-pullbacks (default: its default)")
     ap.add_argument("--capturable", action="store_true",
                     help="pass capturable=True to ManifoldMuon (if its SolverOptions has that field)")
     ap.add_argument("--solver-precision", default="tf32",
@@ -132,6 +134,7 @@ def trainer_args(args):
                                    "--assign", args.assign, "--clip", args.clip, "--kernels", "torch",
                                    "--device", "cpu", "--dtype", "float32"]
                                   + ([] if args.admm_steps is None else ["--admm-steps", str(args.admm_steps)])
+                                  + ([] if args.admm_pullbacks is None else ["--admm-pullbacks", str(args.admm_pullbacks)])
                                   + (["--capturable", "on" if args.capturable else "off"])
                                   + ["--solver-precision", args.solver_precision])
     train_gpt2.validate_args(targs, world_size=1)

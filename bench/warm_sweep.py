@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--warm-average", type=float, nargs="+", default=[SolverOptions().admm_warm_average],
                     help="the share of the previous warm start kept in the next (SolverOptions."
                          "admm_warm_average), each a row")
+    ap.add_argument("--pullbacks", type=int, nargs="+", default=[SolverOptions().admm_pullbacks],
+                    help="rounds of Proj_T(pull_back(.)) on ADMM's answer (SolverOptions.admm_pullbacks), each a row")
     ap.add_argument("--iterations", type=int, nargs="+", default=[4, 5, 6, 8])
     ap.add_argument("--clip", default="auto", choices=("auto", "eigh", "polynomial"),
                     help="ADMM's clip (auto = eigh on this CPU; polynomial is what a GPU runs)")
@@ -87,21 +89,21 @@ def main():
 
 def row_options(args, row, iterations):
     """SolverOptions of one row of the sweep at an iteration budget (fixed budgets, sync-free)."""
-    penalty, growth, relax, precision, clip_msign, average = row
-    return SolverOptions(admm_steps=iterations, tol=0, admm_rho_warm=penalty, admm_rho_growth=growth,
+    penalty, growth, relax, precision, clip_msign, average, pullbacks = row
+    return SolverOptions(admm_pullbacks=pullbacks, admm_steps=iterations, tol=0, admm_rho_warm=penalty, admm_rho_growth=growth,
                          admm_relax=relax, clip=args.clip, precision=precision, capturable=True,
                          clip_msign=clip_msign, admm_warm_average=average)
 
 
 def row_label(row):
-    penalty, growth, relax, precision, clip_msign, average = row
-    return f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} {average:.2f}"
+    penalty, growth, relax, precision, clip_msign, average, pullbacks = row
+    return f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} {average:.2f} {pullbacks}"
 
 
 def setting_rows(args):
-    return [(penalty, growth, relax, precision, clip_msign, average) for penalty in args.penalties
+    return [(penalty, growth, relax, precision, clip_msign, average, pullbacks) for penalty in args.penalties
             for growth in args.growth for relax in args.relax for precision in args.precision
-            for clip_msign in args.clip_msign for average in args.warm_average]
+            for clip_msign in args.clip_msign for average in args.warm_average for pullbacks in args.pullbacks]
 
 
 def windows(steps):

@@ -52,10 +52,11 @@ from manifolds.span import StackedSpans, top_eigenvalue
 class SolverOptions:
     solver: str = "auto"        # "dual", "admm" or "auto" (by shape, see choose_solver)
     dual_steps: int = 8         # at most this many multiplier updates of dual ascent
-    admm_steps: int = 4         # at most this many ADMM iterations from a warm start; twice that
-                                # from a cold one, and twice again for rows < 2 cols (4: direction
-                                # quality 0.992 / 0.995 on synthetic 768 x 256 momenta, 0.95-0.97 on
-                                # recorded ones; training within seed spread of 20 iterations;
+    admm_steps: int = 3         # at most this many ADMM iterations from a warm start; twice that
+                                # from a cold one, and twice again for rows < 2 cols (3 and 2
+                                # pullbacks, below: direction quality 0.998 / 0.999 on synthetic
+                                # 768 x 256 momenta, 0.96-0.97 on recorded ones, where 4 iterations
+                                # alone reach 0.992 / 0.995 and 0.95-0.97 at 4% more cost;
                                 # bench/RESULTS.md, issue 15)
     tol: float = 1e-4           # dual: stop when rms(P(W^T A + A^T W)) / mean column norm <= tol;
                                 # admm: when the relative primal and dual residuals are <= tol
@@ -76,6 +77,10 @@ class SolverOptions:
                                     # unconverged iterations' noise; 0 = the step's own; 0.5: real
                                     # momenta +0.002-0.010, bench/RESULTS.md)
     admm_relax: float = 1.5     # ADMM over-relaxation (1 = plain ADMM)
+    admm_pullbacks: int = 2     # rounds of B <- Proj_T(pull_back(B)) on ADMM's answer (`pull_back_answer`):
+                                # singular values above 1 pulled back, then the exact tangent projection;
+                                # a third of an iteration each, and each worth more than one at this
+                                # budget: what the renormalisation would take (bench/RESULTS.md)
     reduce: bool = True         # ADMM on tall matrices (rows >= 2 cols) as the 2q x q problem in span[W, G]
     msign_steps: int = 5        # Polar Express iterations per matrix sign
     polish_steps: int = 2       # Newton-Schulz polish iterations per matrix sign
@@ -220,6 +225,39 @@ def spectral_clip(Y, opts):
     absE = kernels.symmetric_part(sign_E.mT, E, opts.backend)  # sym(sign(E) E)
     # O min(P, I) = O (I + (E - |E|) / 2): one product with O added in the epilogue
     return kernels.matmul_add(O, E - absE, O, alpha=0.5, backend=opts.backend)
+
+
+def pull_back_answer(B, project, opts):
+    """opts.admm_pullbacks rounds of alternating projection on ADMM's answer: B <- Proj_T(pull_back(B)).
+
+    After a few iterations B is tangent but a hundred or so of its singular values lie up to ~2%
+    above 1 (recorded momenta), and finalize's renormalisation by ||B||_op shrinks the whole
+    direction for them: about half of what 4 iterations leave short of the optimum. Pulling
+    those singular values back to 1 and projecting onto the tangent space again leaves fewer
+    and smaller excesses each round. The warm start for the next step is not touched."""
+    for _ in range(opts.admm_pullbacks):
+        B = project(pull_back(B, opts))
+    return B
+
+
+def pull_back(B, opts):
+    """B with its singular values above 1 brought to (about) 1, those below unchanged.
+
+    eigh (SolverOptions.clip): the exact spectral clip. Polynomial: for B = U S V^T and
+    E = B^T B - I = V (S^2 - I) V^T, the positive part E+ = (E + |E|) / 2 = (E + sign(E) E) / 2
+    gives B (I - E+ / 2) = U f(S) V^T with f(s) = s for s <= 1 and f(s) = s (3 - s^2) / 2 above
+    (a Newton-Schulz step on the excess only: f <= 1, f(1.02) = 0.9994). One q x q Gram, a
+    q x q sign (bf16 under tf32 iterations, as the clip's), two products: about a third of an
+    ADMM iteration, which needs msign of the 2q x q Y as well. sign(E) is least accurate for
+    eigenvalues near 0, where E+ is near 0 either way."""
+    if use_eigh(opts, B):
+        return spectral_clip(B, opts)
+    E = kernels.sym_product(B.mT, backend=opts.backend)  # B^T B
+    E = E - torch.eye(E.size(-1), dtype=E.dtype, device=E.device)
+    sign_E = bf16_under_tf32(lambda X: clip_msign(X, opts), E, opts)
+    absE = kernels.symmetric_part(sign_E.mT, E, opts.backend)  # sym(sign(E) E) = |E|
+    # B (I - E+ / 2) = B - (B (E + |E|)) / 4: one product with B added in the epilogue
+    return kernels.matmul_add(B, E + absE, B, alpha=-0.25, backend=opts.backend)
 
 
 def bf16_under_tf32(f, X, opts):
@@ -518,6 +556,7 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
         if not sync_free and (k + 1) % opts.check_every == 0 and not bool(active.any()):
             break
     B = project(Z - U + G / rho)
+    B = pull_back_answer(B, project, opts)
     _, sumsq = geo.tangent_residual(W, Z, opts.backend, with_norm=True)
     # rho U - Proj_T G = 2 W (Lambda - Lambda0): the correction, by the exact Gram-space
     # solve P(W^T Y + Y^T W) / (d_i^2 + d_j^2) = 2 (Lambda - Lambda0) for Y = rho U - Proj_T G
