@@ -20,7 +20,7 @@ if [ ! -f "$OUT/data/prepare_progress.json" ]; then
     $PY bench/split_text.py "$CORPUS"/*.txt --out "$OUT/books.jsonl"
     $PY data/prepare.py --files "$OUT/books.jsonl" --out-dir "$OUT/data" --val-fraction 0.1 --num-proc 1
 fi
-declare -A SOLVER=([default]="" [iters20]="--admm-steps 20 --dual-steps 20"
+declare -A SOLVER=([default]="" [iters20]="--admm-steps 20 --dual-steps 20 --admm-pullbacks 0"
                    [warm1]="--admm-steps 1" [warm2]="--admm-steps 2" [warm3]="--admm-steps 3" [warm4]="--admm-steps 4"
                    [gpu]="--clip polynomial --capturable on --solver-precision tf32"
                    [gpu-fp32]="--clip polynomial --capturable on --solver-precision fp32"

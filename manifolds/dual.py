@@ -215,12 +215,15 @@ def spectral_clip(Y, opts):
     """
     if use_eigh(opts, Y):
         return gram_function(Y, lambda lam: lam.rsqrt().clamp_max(1.0))
-    O = clip_msign(Y, opts)
+    # Under tf32 iterations both matrix signs run in bf16 (twice TF32's rate). msign(Y)'s rounding
+    # (~4e-3) leaves the clipped iterates a little off the ball, which the pullbacks and the final
+    # projection and renormalisation absorb: with 2 pullbacks, quality -0.003 to -0.006 on real
+    # momenta and 0.993 / 0.994 on synthetic ones, for ~10% of the step (bench/RESULTS.md; without
+    # the pullbacks it lost 0.007 / 0.016). sign(E)'s least accurate eigenvalues, those near 0,
+    # change min(P, I) least.
+    O = bf16_under_tf32(lambda X: clip_msign(X, opts), Y, opts)
     P = kernels.symmetric_part(O, Y, opts.backend)  # sym(O^T Y)
     E = P - torch.eye(P.size(-1), dtype=P.dtype, device=P.device)
-    # sign(E) in bf16 under tf32 iterations (twice TF32's rate): the eigenvalues it gets least
-    # right, those near 0, change min(P, I) least; real-momenta quality -0.0006 on average,
-    # synthetic unchanged, where msign(Y) in bf16 loses 0.007 / 0.016 (bench/RESULTS.md)
     sign_E = bf16_under_tf32(lambda Z: clip_msign(Z, opts), E, opts)
     absE = kernels.symmetric_part(sign_E.mT, E, opts.backend)  # sym(sign(E) E)
     # O min(P, I) = O (I + (E - |E|) / 2): one product with O added in the epilogue
@@ -230,9 +233,9 @@ def spectral_clip(Y, opts):
 def pull_back_answer(B, project, opts):
     """opts.admm_pullbacks rounds of alternating projection on ADMM's answer: B <- Proj_T(pull_back(B)).
 
-    After a few iterations B is tangent but a hundred or so of its singular values lie up to ~2%
-    above 1 (recorded momenta), and finalize's renormalisation by ||B||_op shrinks the whole
-    direction for them: about half of what 4 iterations leave short of the optimum. Pulling
+    After a few iterations ADMM's tangent B has a hundred or so singular values up to ~2% above 1
+    (recorded momenta, 4 iterations), and finalize's renormalisation by ||B||_op shrinks the whole
+    direction for them: about half of what those iterations leave short of the optimum. Pulling
     those singular values back to 1 and projecting onto the tangent space again leaves fewer
     and smaller excesses each round. The warm start for the next step is not touched."""
     for _ in range(opts.admm_pullbacks):
@@ -477,12 +480,12 @@ def tf32_scope(opts, W):
 def span_iterations(spans, correction, opts):
     """admm_iterations on the stacked span problems, in `opts.precision`.
 
-    tf32: every product of the iterations (the kernels' three products, matrix signs and clips
+    tf32: every product of the iterations (the kernels' three products, clips and pullbacks
     included) reads its operands at TF32 and accumulates in fp32 (kernels.precision), 3x the
-    3xTF32 rate, except the starting polar factor and the clip's q x q sign(P - I), which run
-    in bf16 (`polar`, `spectral_clip`); direction quality on synthetic momenta 0.992 / 0.995 of
-    the optimum, as in fp32 (bench/RESULTS.md). bf16: the iterates themselves are bf16 (~6x the
-    3xTF32 rate), at a measured 0.974 / 0.973. Either way the span reduction before, the lift, the exact tangent
+    3xTF32 rate, except the matrix signs (the starting polar factor, the clip's msign(Y) and its
+    and the pullbacks' q x q signs), which run in bf16 (`polar`, `spectral_clip`, `pull_back`);
+    direction quality on synthetic momenta 0.997 / 0.997 of the optimum (bench/RESULTS.md).
+    bf16: the iterates themselves are bf16 (~6x the 3xTF32 rate). Either way the span reduction before, the lift, the exact tangent
     projection, the renormalisation and the retraction after stay fp32, so the answer is
     feasible to fp32 accuracy whatever the iterations' rounding. The elementwise span
     projection runs in fp32.
@@ -506,8 +509,10 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
     the same in any basis) restarts the iteration at U = X / rho, Z = msign(X) with
     X = Proj_T(G) + 2 W (Lambda* - Lambda0) (Proj_T G = G + 2 W Lambda0). Cold: U = 0,
     Z = msign(Proj_T G). The correction returned for the next step is, from a warm start, the
-    mix admm_warm_average of the incoming one and this step's own. `project` is the tangent projection at W when a cheaper one than
-    the generic is known (span.py), d2 the metric's squared column norms.
+    mix admm_warm_average of the incoming one and this step's own. B is tangent: with
+    opts.admm_pullbacks, Proj_T(Z) after those rounds (`pull_back_answer`). `project` is the
+    tangent projection at W when a cheaper one than the generic is known (span.py), d2 the
+    metric's squared column norms.
     """
     d2 = geo.squared_norms(W) if d2 is None else d2
     if project is None:
@@ -555,8 +560,11 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
         active = active & (change > opts.tol)
         if not sync_free and (k + 1) % opts.check_every == 0 and not bool(active.any()):
             break
-    B = project(Z - U + G / rho)
-    B = pull_back_answer(B, project, opts)
+    # The answer. Without pullbacks: B = Proj_T(Z - U + G / rho), tangent, which the final
+    # renormalisation scales into the ball. With them: Proj_T(Z), Z being in the ball already, so
+    # that the rounds start nearer it than from B, which carries the last dual step (recorded
+    # momenta +0.001 to +0.005, synthetic +0.003 over B with the same rounds; bench/RESULTS.md).
+    B = pull_back_answer(project(Z) if opts.admm_pullbacks else project(Z - U + G / rho), project, opts)
     _, sumsq = geo.tangent_residual(W, Z, opts.backend, with_norm=True)
     # rho U - Proj_T G = 2 W (Lambda - Lambda0): the correction, by the exact Gram-space
     # solve P(W^T Y + Y^T W) / (d_i^2 + d_j^2) = 2 (Lambda - Lambda0) for Y = rho U - Proj_T G

@@ -110,9 +110,10 @@ def test_admm_starting_polar_factor_runs_in_bf16_under_tf32(monkeypatch):
         assert (Z.double() - U @ Vh).abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-4)
 
 
-def test_spectral_clip_takes_the_sign_of_e_in_bf16_under_tf32(monkeypatch):
-    # the clip's q x q sign(P - I) runs in bf16 under tf32 iterations, msign(Y) stays fp32; the
-    # clip still caps Y's singular values at 1 and keeps those below
+def test_spectral_clip_takes_both_signs_in_bf16_under_tf32(monkeypatch):
+    # under tf32 iterations the clip's msign(Y) and its q x q sign(P - I) run in bf16 (the
+    # pullbacks and the final projection absorb their rounding); the clip still caps Y's
+    # singular values at 1, to bf16's accuracy, and keeps those below
     import manifolds.dual as dual
     seen = []
     msign = kernels.msign
@@ -123,11 +124,11 @@ def test_spectral_clip_takes_the_sign_of_e_in_bf16_under_tf32(monkeypatch):
     s = torch.linspace(0.1, 3.0, 32, dtype=torch.float64)
     Y = ((U * s) @ V.mT).float()
     expected = (U * s.clamp_max(1.0)) @ V.mT
-    for precision, dtypes in (("tf32", [torch.float32, torch.bfloat16]), ("fp32", [torch.float32] * 2)):
+    for precision, dtypes in (("tf32", [torch.bfloat16] * 2), ("fp32", [torch.float32] * 2)):
         seen.clear()
         Z = dual.spectral_clip(Y, SolverOptions(precision=precision, clip="polynomial"))
         assert seen == dtypes and Z.dtype == torch.float32
-        assert (Z.double() - expected).abs().max() < (5e-3 if precision == "tf32" else 5e-5)  # 1.5e-3, 7e-6
+        assert (Z.double() - expected).abs().max() < (2e-2 if precision == "tf32" else 5e-5)  # 8.7e-3, 7e-6
 
 
 def test_auto_precision_is_fp32_on_cpu_tf32_on_cuda():
