@@ -54,23 +54,22 @@ class SolverOptions:
     dual_steps: int = 8         # at most this many multiplier updates of dual ascent
     admm_steps: int = 3         # at most this many ADMM iterations from a warm start; twice that
                                 # from a cold one, and twice again for rows < 2 cols (3 and 2
-                                # pullbacks, below: direction quality 0.998 / 0.999 on synthetic
-                                # 768 x 256 momenta, 0.96-0.97 on recorded ones, where 4 iterations
-                                # alone reach 0.992 / 0.995 and 0.95-0.97 at 4% more cost;
-                                # bench/RESULTS.md, issue 15)
+                                # pullbacks, below: direction quality 0.997 / 0.999 on synthetic
+                                # 768 x 256 momenta, 0.96-0.98 on recorded ones, where 4 iterations
+                                # without pullbacks reached 0.992 / 0.995 and 0.95-0.97 at 14% more
+                                # cost; bench/RESULTS.md, issue 15)
     tol: float = 1e-4           # dual: stop when rms(P(W^T A + A^T W)) / mean column norm <= tol;
                                 # admm: when the relative primal and dual residuals are <= tol
     dual_lr: float = 1.0        # dual step, relative to the preconditioned Newton-like scale
     admm_rho: float = 0.5       # ADMM penalty, relative to the spectral norm of Proj_T(G), cold start
-    admm_rho_warm: float = 0.15  # the same from a warm start (bench/RESULTS.md: the sweeps; 0.1 before
-                                 # the averaged warm start, with which 0.15 and growth 2.5 gain on
-                                 # real momenta and lose nothing on synthetic ones)
-    admm_rho_growth: float = 2.5  # from a warm start the penalty grows by this factor per iteration
-                                  # (0.15, 0.375, 0.94, 2.3 x ||Proj_T G||): real momenta gain 0.03-0.06
-                                  # of the optimum at 4 iterations over a constant 0.1 (bench/RESULTS.md)
+    admm_rho_warm: float = 0.07  # the same from a warm start (bench/RESULTS.md: the sweeps; with the
+                                 # pullbacks and the answer from Z a long dual step pays: 0.07 x 1.5
+                                 # gains 0.005-0.016 on real momenta over the 0.15 x 2.5 tuned without)
+    admm_rho_growth: float = 1.5  # from a warm start the penalty grows by this factor per iteration
+                                  # (0.07, 0.105, 0.16 x ||Proj_T G|| at the default budget); the later,
+                                  # larger, pull B and Z together, which near-square matrices need most
     admm_rho_max: float = 10.0  # ... up to this (relative, like admm_rho_warm): a bound for large
-                                # budgets (20 iterations would reach 0.15 x 2.5^19); the tall default
-                                # stays below it (near-square: 0.15 .. 5.9, then 10)
+                                # budgets (40 iterations would reach 0.07 x 1.5^39)
     admm_warm_average: float = 0.5  # the warm start kept for the next step: this much of the one the
                                     # step started from, the rest the step's own fixed-point correction
                                     # (an average over steps: each step's correction carries the

@@ -208,12 +208,12 @@ def test_trainer_flags_reach_the_solver():
         assert (opts.capturable, opts.precision) == (capturable, precision)
         assert opts.admm_rho_warm == SolverOptions().admm_rho_warm
     args = train_gpt2.parse_args(["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-                                  "--admm-rho-warm", "0.3", "--admm-rho-growth", "1.5"])
+                                  "--admm-rho-warm", "0.3", "--admm-rho-growth", "1.25"])
     train_gpt2.validate_args(args)
     muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
     opts = solver_options(muon.param_groups[0])
-    assert (opts.admm_rho_warm, opts.admm_rho_growth) == (0.3, 1.5)
-    assert SolverOptions().admm_rho_growth == 2.5 and opts.admm_rho_growth != SolverOptions().admm_rho_growth
+    assert (opts.admm_rho_warm, opts.admm_rho_growth) == (0.3, 1.25)
+    assert SolverOptions().admm_rho_growth == 1.5 and opts.admm_rho_growth != SolverOptions().admm_rho_growth
 
 
 def test_a_growing_warm_penalty_keeps_the_fixed_point_and_gets_closer_in_the_budget():
