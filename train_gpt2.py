@@ -41,7 +41,7 @@ from training.qk_clip import QKClip
 from training.run_dir import RunLock, check_shared_out_dir, remove_leftovers
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
-from manifolds.assignment import MATRIX_KEYS, parse_assignment, qkv_blocks, valid_choices
+from manifolds.assignment import MATRIX_KEYS, parse_assignment, qkv_blocks
 from manifolds.optimizer import SOLVER_DEFAULTS
 from manifolds.step_graph import StepGraph, lr_in_device_tensors
 

@@ -194,8 +194,16 @@ def clip_flops(q, clip, msign_iters=len(CLIP_SCHEDULE)):
     return msign_flops(2 * q, q, msign_iters) + 4 * q ** 3 + msign_iters * 6 * q ** 3 + 4 * q ** 3
 
 
+def pullback_flops(q, clip, msign_iters=len(CLIP_SCHEDULE)):
+    """One pullback round on the 2q x q answer (dual.pull_back): the exact clip under eigh; else
+    B^T B, the q x q sign of B^T B - I, |E| and the product with B (the projection is O(q^2))."""
+    if clip == "eigh":
+        return clip_flops(q, clip)
+    return 4 * q ** 3 + msign_iters * 6 * q ** 3 + 2 * q ** 3 + 4 * q ** 3
+
+
 def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_iters=7,
-               polar_iters=len(POLAR_SCHEDULE)):
+               polar_iters=len(POLAR_SCHEDULE), pullbacks=SolverOptions().admm_pullbacks):
     """FLOPs (2 per multiply-add, symmetric products counted in full) of the constrained
     matrices' direction + retraction per step, warm-started (every step but the first).
 
@@ -204,9 +212,10 @@ def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_
     ours, p x q tall (p >= 2q), the 2q x q reduced problem of manifolds/span.py:
       K = V^T V (8 p q^2), Schur complement and Cholesky (~2.3 q^3), ||Proj_T G||_op
       (14 q^3), warm start (4 q^3 + a polar factor of polar_iters steps), per ADMM iteration one spectral clip
-      (`clip_flops`; the tangent projection at [D; 0] is O(q^2)), the multiplier and residual
-      (8 q^3), the lift V c (4 p q^2 + 3 q^3), the exact final projection and spectral
-      normalisation (6 p q^2 + 10 q^3), the retraction (3 Newton-Schulz steps, 12 p q^2);
+      (`clip_flops`; the tangent projection at [D; 0] is O(q^2)), `pullbacks` rounds on the
+      answer (`pullback_flops`), the multiplier and residual (8 q^3), the lift V c
+      (4 p q^2 + 3 q^3), the exact final projection and spectral normalisation
+      (6 p q^2 + 10 q^3), the retraction (3 Newton-Schulz steps, 12 p q^2);
     ours, square Stiefel: one dual evaluation (2 p q^2 + msign + residual), a 2-step polish,
       the final projection and the retraction;
     ours, other shapes (near-square, not reduced): ADMM on p x q with the polynomial clip.
@@ -226,10 +235,11 @@ def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_
         elif p >= 2 * q:
             start = clip_flops(q, clip) if clip == "eigh" else msign_flops(2 * q, q, polar_iters)  # the polar factor
             solve = (8 * p * q * q + 2.3 * q ** 3 + 14 * q ** 3 + 4 * q ** 3 + start
-                     + iterations * clip_flops(q, clip) + 8 * q ** 3 + 4 * p * q * q + 3 * q ** 3)
+                     + iterations * clip_flops(q, clip) + pullbacks * pullback_flops(q, clip)
+                     + 8 * q ** 3 + 4 * p * q * q + 3 * q ** 3)
         else:
             per_iteration = msign_flops(p, q, msign_iters) + msign_flops(q, q, msign_iters) + 12 * p * q * q
-            solve = 2 * iterations * per_iteration
+            solve = 2 * iterations * per_iteration + pullbacks * (msign_flops(q, q, msign_iters) + 12 * p * q * q)
         ours += n_layer * (solve + finish)
     return published, ours
 
