@@ -22,7 +22,10 @@ normalised first (msign ignores scale, the dual problem does not).
   Stiefel) or ill-conditioned (spiky gradient spectra). Tall banks (rows >= 2 cols) run it as
   the equivalent 2q x q problem in span[W, G] (span.py), all such banks of one q stacked into
   one batch whatever their rows and manifold (`solve_tall_banks`, `admm_in_span`), and every
-  step after the first starts from the previous step's multiplier (`admm_iterations`).
+  step after the first starts from the previous step's multiplier (`admm_iterations`). The
+  answer then gets a few rounds of  A <- Proj_T(pull_back(A))  from A = Proj_T(Z), pull_back
+  lowering the singular values above 1 (`pull_back_answer`): what the final renormalisation
+  would otherwise take from the whole direction.
 
 Convergence is tested on a per-matrix mask every `check_every` iterations: one host sync
 per check, not per iteration, and finished matrices stop changing.
@@ -78,8 +81,9 @@ class SolverOptions:
     admm_relax: float = 1.5     # ADMM over-relaxation (1 = plain ADMM)
     admm_pullbacks: int = 2     # rounds of B <- Proj_T(pull_back(B)) on ADMM's answer (`pull_back_answer`):
                                 # singular values above 1 pulled back, then the exact tangent projection;
-                                # a third of an iteration each, and each worth more than one at this
-                                # budget: what the renormalisation would take (bench/RESULTS.md)
+                                # a third of an iteration each, and each gains about what an iteration
+                                # gains at this budget: what the renormalisation would take
+                                # (bench/RESULTS.md)
     reduce: bool = True         # ADMM on tall matrices (rows >= 2 cols) as the 2q x q problem in span[W, G]
     msign_steps: int = 5        # Polar Express iterations per matrix sign
     polish_steps: int = 2       # Newton-Schulz polish iterations per matrix sign
@@ -216,10 +220,10 @@ def spectral_clip(Y, opts):
         return gram_function(Y, lambda lam: lam.rsqrt().clamp_max(1.0))
     # Under tf32 iterations both matrix signs run in bf16 (twice TF32's rate). msign(Y)'s rounding
     # (~4e-3) leaves the clipped iterates a little off the ball, which the pullbacks and the final
-    # projection and renormalisation absorb: with 2 pullbacks, quality -0.003 to -0.006 on real
-    # momenta and 0.993 / 0.994 on synthetic ones, for ~10% of the step (bench/RESULTS.md; without
-    # the pullbacks it lost 0.007 / 0.016). sign(E)'s least accurate eigenvalues, those near 0,
-    # change min(P, I) least.
+    # projection and renormalisation absorb: ~10% of the step's estimate for -0.003 to -0.006 on
+    # real momenta against TF32 with 2 pullbacks from B, which starting them from Proj_T(Z) more
+    # than recovers (admm_iterations; without pullbacks bf16 lost 0.007 / 0.016; bench/RESULTS.md).
+    # sign(E)'s least accurate eigenvalues, those near 0, change min(P, I) least.
     O = bf16_under_tf32(lambda X: clip_msign(X, opts), Y, opts)
     P = kernels.symmetric_part(O, Y, opts.backend)  # sym(O^T Y)
     E = P - torch.eye(P.size(-1), dtype=P.dtype, device=P.device)
@@ -483,10 +487,11 @@ def span_iterations(spans, correction, opts):
     included) reads its operands at TF32 and accumulates in fp32 (kernels.precision), 3x the
     3xTF32 rate, except the matrix signs (the starting polar factor, the clip's msign(Y) and its
     and the pullbacks' q x q signs), which run in bf16 (`polar`, `spectral_clip`, `pull_back`);
-    direction quality on synthetic momenta 0.997 / 0.997 of the optimum (bench/RESULTS.md).
-    bf16: the iterates themselves are bf16 (~6x the 3xTF32 rate). Either way the span reduction before, the lift, the exact tangent
-    projection, the renormalisation and the retraction after stay fp32, so the answer is
-    feasible to fp32 accuracy whatever the iterations' rounding. The elementwise span
+    direction quality on synthetic momenta 0.997 / 0.999 of the optimum (bench/RESULTS.md).
+    bf16: the iterates themselves are bf16 (~6x the 3xTF32 rate), at 0.995 / 0.997. Either way
+    the span reduction before, the lift, the exact tangent projection, the renormalisation and
+    the retraction after stay fp32, so the answer is feasible to fp32 accuracy whatever the
+    iterations' rounding. The elementwise span
     projection runs in fp32.
     """
     if iteration_precision(opts, spans.W) != "bf16" or spans.W.dtype == torch.bfloat16:

@@ -318,30 +318,24 @@ def test_the_warm_start_kept_averages_the_one_started_from_and_the_new_correctio
     torch.testing.assert_close(mixed.A, own.A, rtol=0, atol=0)
     torch.testing.assert_close(mixed.state, 0.5 * incoming + 0.5 * own.state, rtol=0, atol=1e-7)
     assert (own.state - incoming).abs().max() > 1e-4  # the two differ, so the mix is a real one
-    # the trainer's flag reaches the solver options; values outside [0, 1) are user errors
+
+
+@pytest.mark.parametrize("flag, value, bad_values", [("--admm-warm-average", 0.25, ("1.0", "-0.1")),
+                                                     ("--admm-pullbacks", 0, ("-1",))])
+def test_a_solver_flag_reaches_the_solver_and_rejects_bad_values(flag, value, bad_values):
+    # the trainer's flag reaches the solver options (a value other than the default); values out
+    # of range ([0, 1) for the average, >= 0 for the rounds) are user errors
     import train_gpt2
+    from manifolds.optimizer import solver_options
+    name = flag[2:].replace("-", "_")
+    assert getattr(SolverOptions(), name) != value
     base = ["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
-    args = train_gpt2.parse_args(base + ["--admm-warm-average", "0.25"])
+    args = train_gpt2.parse_args(base + [flag, str(value)])
     train_gpt2.validate_args(args)
     torch.manual_seed(0)
     model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 16, 64))
     muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
-    from manifolds.optimizer import solver_options
-    assert solver_options(muon.param_groups[0]).admm_warm_average == 0.25
-    for bad in ("1.0", "-0.1"):
-        with pytest.raises(train_gpt2.UserError, match="--admm-warm-average"):
-            train_gpt2.validate_args(train_gpt2.parse_args(base + ["--admm-warm-average", bad]))
-
-
-def test_the_pullbacks_flag_reaches_the_solver_and_rejects_a_negative_count():
-    import train_gpt2
-    from manifolds.optimizer import solver_options
-    base = ["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
-    args = train_gpt2.parse_args(base + ["--admm-pullbacks", "0"])
-    train_gpt2.validate_args(args)
-    torch.manual_seed(0)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 16, 64))
-    muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
-    assert solver_options(muon.param_groups[0]).admm_pullbacks == 0 != SolverOptions().admm_pullbacks
-    with pytest.raises(train_gpt2.UserError, match="--admm-pullbacks"):
-        train_gpt2.validate_args(train_gpt2.parse_args(base + ["--admm-pullbacks", "-1"]))
+    assert getattr(solver_options(muon.param_groups[0]), name) == value
+    for bad in bad_values:
+        with pytest.raises(train_gpt2.UserError, match=flag):
+            train_gpt2.validate_args(train_gpt2.parse_args(base + [flag, bad]))
