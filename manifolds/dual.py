@@ -78,7 +78,8 @@ class SolverOptions:
                                     # (an average over steps: each step's correction carries the
                                     # unconverged iterations' noise; 0 = the step's own; 0.5: real
                                     # momenta +0.002-0.010, bench/RESULTS.md)
-    admm_relax: float = 1.5     # ADMM over-relaxation (1 = plain ADMM)
+    admm_relax: float = 1.7     # ADMM over-relaxation (1 = plain ADMM; 1.7 over 1.5 with the pullbacks:
+                                # real momenta +0.0005 to +0.002, synthetic the same; bench/RESULTS.md)
     admm_pullbacks: int = 2     # rounds of B <- Proj_T(pull_back(B)) on ADMM's answer (`pull_back_answer`):
                                 # singular values above 1 pulled back, then the exact tangent projection;
                                 # a third of an iteration each, and each gains about what an iteration

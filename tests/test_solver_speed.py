@@ -161,7 +161,7 @@ def test_pullbacks_bring_the_answer_closer_and_leave_the_warm_start(manifold):
             state = solution.state
         results[rounds] = (quality(W, Gs[-1], solution.A[0], opt), solution)
     (plain, without), (pulled, with_rounds) = results[0], results[2]
-    assert pulled > plain + 0.003, (plain, pulled)
+    assert 1 - pulled < 0.5 * (1 - plain), (plain, pulled)  # here 0.2 and 0.38 of the gap remain
     torch.testing.assert_close(with_rounds.state, without.state, rtol=0, atol=0)
     H = geometry(manifold).tangent_residual(W.double(), with_rounds.A[0].double())
     assert H.square().mean().sqrt() / W.double().norm(dim=0).mean() <= 1e-5
