@@ -38,7 +38,8 @@ from reference import optimum, quality  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--penalties", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5])
-    ap.add_argument("--relax", type=float, nargs="+", default=[1.5])
+    ap.add_argument("--relax", type=float, nargs="+", default=[SolverOptions().admm_relax],
+                    help="ADMM's over-relaxation (SolverOptions.admm_relax), each a row")
     ap.add_argument("--growth", type=float, nargs="+", default=[SolverOptions().admm_rho_growth],
                     help="the warm penalty's growth per iteration (SolverOptions.admm_rho_growth), each a row")
     ap.add_argument("--warm-average", type=float, nargs="+", default=[SolverOptions().admm_warm_average],
