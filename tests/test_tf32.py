@@ -131,6 +131,26 @@ def test_spectral_clip_takes_both_signs_in_bf16_under_tf32(monkeypatch):
         assert (Z.double() - expected).abs().max() < (2e-2 if precision == "tf32" else 5e-5)  # 8.7e-3, 7e-6
 
 
+def test_pull_back_takes_its_sign_in_bf16_under_tf32(monkeypatch):
+    # the pullback's q x q sign(B^T B - I) runs in bf16 under tf32 iterations, fp32 otherwise;
+    # either way the singular values above 1 come down (s (3 - s^2) / 2) and those below stay
+    import manifolds.dual as dual
+    seen = []
+    msign = kernels.msign
+    monkeypatch.setattr(kernels, "msign", lambda X, *a, **k: seen.append(X.dtype) or msign(X, *a, **k))
+    g = torch.Generator().manual_seed(1)
+    U = torch.linalg.qr(torch.randn(2, 96, 32, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(2, 32, 32, generator=g, dtype=torch.float64))[0]
+    s = torch.linspace(0.1, 1.2, 32, dtype=torch.float64)
+    B = ((U * s) @ V.mT).float()
+    expected = (U * torch.where(s > 1, s * (3 - s.square()) / 2, s)) @ V.mT
+    for precision, dtype, tolerance in (("tf32", torch.bfloat16, 2e-3), ("fp32", torch.float32, 1e-5)):  # 3.4e-4, 2e-7
+        seen.clear()
+        pulled = dual.pull_back(B, SolverOptions(precision=precision, clip="polynomial"))
+        assert seen == [dtype] and pulled.dtype == torch.float32
+        assert (pulled.double() - expected).abs().max() < tolerance
+
+
 def test_auto_precision_is_fp32_on_cpu_tf32_on_cuda():
     opts = SolverOptions()
     assert iteration_precision(opts, torch.zeros(2, 2)) == "fp32"
