@@ -224,12 +224,8 @@ def spectral_clip(Y, opts):
     # projection and renormalisation absorb: ~10% of the step's estimate for -0.003 to -0.006 on
     # real momenta against TF32 with 2 pullbacks from B, which starting them from Proj_T(Z) more
     # than recovers (admm_iterations; without pullbacks bf16 lost 0.007 / 0.016; bench/RESULTS.md).
-    # sign(E)'s least accurate eigenvalues, those near 0, change min(P, I) least.
     O = bf16_under_tf32(lambda X: clip_msign(X, opts), Y, opts)
-    P = kernels.symmetric_part(O, Y, opts.backend)  # sym(O^T Y)
-    E = P - torch.eye(P.size(-1), dtype=P.dtype, device=P.device)
-    sign_E = bf16_under_tf32(lambda Z: clip_msign(Z, opts), E, opts)
-    absE = kernels.symmetric_part(sign_E.mT, E, opts.backend)  # sym(sign(E) E)
+    E, absE = minus_identity_and_abs(kernels.symmetric_part(O, Y, opts.backend), opts)  # P = sym(O^T Y)
     # O min(P, I) = O (I + (E - |E|) / 2): one product with O added in the epilogue
     return kernels.matmul_add(O, E - absE, O, alpha=0.5, backend=opts.backend)
 
@@ -255,16 +251,22 @@ def pull_back(B, opts):
     gives B (I - E+ / 2) = U f(S) V^T with f(s) = s for s <= 1 and f(s) = s (3 - s^2) / 2 above
     (a Newton-Schulz step on the excess only: f <= 1, f(1.02) = 0.9994). One q x q Gram, a
     q x q sign (bf16 under tf32 iterations, as the clip's), two products: about a third of an
-    ADMM iteration, which needs msign of the 2q x q Y as well. sign(E) is least accurate for
-    eigenvalues near 0, where E+ is near 0 either way."""
+    ADMM iteration, which needs msign of the 2q x q Y as well."""
     if use_eigh(opts, B):
         return spectral_clip(B, opts)
-    E = kernels.sym_product(B.mT, backend=opts.backend)  # B^T B
-    E = E - torch.eye(E.size(-1), dtype=E.dtype, device=E.device)
-    sign_E = bf16_under_tf32(lambda X: clip_msign(X, opts), E, opts)
-    absE = kernels.symmetric_part(sign_E.mT, E, opts.backend)  # sym(sign(E) E) = |E|
+    E, absE = minus_identity_and_abs(kernels.sym_product(B.mT, backend=opts.backend), opts)  # B^T B
     # B (I - E+ / 2) = B - (B (E + |E|)) / 4: one product with B added in the epilogue
     return kernels.matmul_add(B, E + absE, B, alpha=-0.25, backend=opts.backend)
+
+
+def minus_identity_and_abs(S, opts):
+    """(E, |E|) for E = S - I, S symmetric (q x q): |E| = sym(sign(E) E), the sign of a symmetric
+    matrix being its polar factor (clip_msign; bf16 under tf32 iterations). Its least accurate
+    eigenvalues, those near 0, matter least to both callers: they change min(P, I) in the clip and
+    E+ in the pullback by about themselves."""
+    E = S - torch.eye(S.size(-1), dtype=S.dtype, device=S.device)
+    sign_E = bf16_under_tf32(lambda X: clip_msign(X, opts), E, opts)
+    return E, kernels.symmetric_part(sign_E.mT, E, opts.backend)
 
 
 def bf16_under_tf32(f, X, opts):

@@ -94,13 +94,27 @@ def test_square_stiefel_exact_step_at_tf32_is_the_fp32_answer():
     assert (G0 * A).sum() >= (1 - 1e-4) * (G0 * exact).sum()  # 5 steps for [0.005, 1]: -2e-4
 
 
+def record_msign_dtypes(monkeypatch):
+    """The dtypes kernels.msign is called with, in order (a list filled as it runs)."""
+    seen = []
+    msign = kernels.msign
+    monkeypatch.setattr(kernels, "msign", lambda X, *a, **k: seen.append(X.dtype) or msign(X, *a, **k))
+    return seen
+
+
+def with_singular_values(s, seed):
+    """(U, V, X) with X = U diag(s) V^T (fp32; U, V float64), two 96 x 32 matrices."""
+    g = torch.Generator().manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(2, 96, s.numel(), generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(2, s.numel(), s.numel(), generator=g, dtype=torch.float64))[0]
+    return U, V, ((U * s) @ V.mT).float()
+
+
 def test_admm_starting_polar_factor_runs_in_bf16_under_tf32(monkeypatch):
     # ADMM's starting Z is only a starting point: under tf32 iterations its matrix sign runs in
     # bf16 (dual.polar), stable with the safe minimax schedule, and comes back as fp32
     import manifolds.dual as dual
-    seen = []
-    msign = kernels.msign
-    monkeypatch.setattr(kernels, "msign", lambda X, *a, **k: seen.append(X.dtype) or msign(X, *a, **k))
+    seen = record_msign_dtypes(monkeypatch)
     Y = torch.randn(2, 96, 32, generator=torch.Generator().manual_seed(0))
     for precision, dtype in (("tf32", torch.bfloat16), ("fp32", torch.float32)):
         seen.clear()
@@ -115,14 +129,9 @@ def test_spectral_clip_takes_both_signs_in_bf16_under_tf32(monkeypatch):
     # pullbacks and the final projection absorb their rounding); the clip still caps Y's
     # singular values at 1, to bf16's accuracy, and keeps those below
     import manifolds.dual as dual
-    seen = []
-    msign = kernels.msign
-    monkeypatch.setattr(kernels, "msign", lambda X, *a, **k: seen.append(X.dtype) or msign(X, *a, **k))
-    g = torch.Generator().manual_seed(0)
-    U = torch.linalg.qr(torch.randn(2, 96, 32, generator=g, dtype=torch.float64))[0]
-    V = torch.linalg.qr(torch.randn(2, 32, 32, generator=g, dtype=torch.float64))[0]
+    seen = record_msign_dtypes(monkeypatch)
     s = torch.linspace(0.1, 3.0, 32, dtype=torch.float64)
-    Y = ((U * s) @ V.mT).float()
+    U, V, Y = with_singular_values(s, seed=0)
     expected = (U * s.clamp_max(1.0)) @ V.mT
     for precision, dtypes in (("tf32", [torch.bfloat16] * 2), ("fp32", [torch.float32] * 2)):
         seen.clear()
@@ -135,14 +144,9 @@ def test_pull_back_takes_its_sign_in_bf16_under_tf32(monkeypatch):
     # the pullback's q x q sign(B^T B - I) runs in bf16 under tf32 iterations, fp32 otherwise;
     # either way the singular values above 1 come down (s (3 - s^2) / 2) and those below stay
     import manifolds.dual as dual
-    seen = []
-    msign = kernels.msign
-    monkeypatch.setattr(kernels, "msign", lambda X, *a, **k: seen.append(X.dtype) or msign(X, *a, **k))
-    g = torch.Generator().manual_seed(1)
-    U = torch.linalg.qr(torch.randn(2, 96, 32, generator=g, dtype=torch.float64))[0]
-    V = torch.linalg.qr(torch.randn(2, 32, 32, generator=g, dtype=torch.float64))[0]
+    seen = record_msign_dtypes(monkeypatch)
     s = torch.linspace(0.1, 1.2, 32, dtype=torch.float64)
-    B = ((U * s) @ V.mT).float()
+    U, V, B = with_singular_values(s, seed=1)
     expected = (U * torch.where(s > 1, s * (3 - s.square()) / 2, s)) @ V.mT
     for precision, dtype, tolerance in (("tf32", torch.bfloat16, 2e-3), ("fp32", torch.float32, 1e-5)):  # 3.4e-4, 2e-7
         seen.clear()
