@@ -15,12 +15,21 @@ def svd_clip(Y):
     return (U * S.clamp(max=1.0).unsqueeze(-2)) @ Vh
 
 
-def optimum(W, G, manifold, iters=3000):
-    """(optimal value of <G/|G|, A>, certified upper bound) on the tall orientation."""
+def optimum(W, G, manifold, iters=3000, in_span=False):
+    """(optimal value of <G/|G|, A>, certified upper bound) on the tall orientation.
+
+    in_span=True (rows > 2 cols): the same ADMM on the 2q x q problem (Q^T W, Q^T G), Q an
+    orthonormal basis of span[W, G] from a float64 QR. Every iterate stays in that span (the
+    tangent projection subtracts W M, the clip acts on the right), and <G, A>, ||A||_op, the
+    tangent projection and the nuclear norm of the certificate are the same in an orthonormal
+    basis: the same optimum at a fraction of the cost for GPT-2-small shapes (3072 x 768)."""
     geo = MANIFOLDS[manifold]
     W, G = W.double(), G.double()
     if W.size(-2) < W.size(-1):
         W, G = W.mT, G.mT
+    if in_span and W.size(-2) > 2 * W.size(-1):
+        R = torch.linalg.qr(torch.cat([W, G], dim=-1)).R  # [W, G] = Q R: Q^T W, Q^T G are R's halves
+        W, G = R[..., :, :W.size(-1)], R[..., :, W.size(-1):]
     G = G / G.norm()
     rho = torch.linalg.matrix_norm(geo.tangent_projection(W, G), ord=2)
     Z, U = torch.zeros_like(G), torch.zeros_like(G)

@@ -100,6 +100,16 @@ def test_steepest_direction_quality(manifold, orientation, seed):
     assert torch.linalg.matrix_norm(A.double(), ord=2) <= 1.01
 
 
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
+def test_reference_in_span_coordinates_is_the_same_optimum(manifold):
+    # The span-coordinate reference (used at GPT-2-small shapes) must agree with the full one.
+    W, G = random_point((96, 16), manifold, seed=5)
+    full = optimum(W, G, manifold, iters=1500)
+    span = optimum(W, G, manifold, iters=1500, in_span=True)
+    assert (full[1] - full[0]) / full[1] < 1e-6
+    assert abs(span[0] - full[0]) < 1e-9 and abs(span[1] - full[1]) < 1e-9
+
+
 def test_square_stiefel_direction_is_exact():
     # Tangent vectors at a square orthogonal W are W K with K skew, so A* = W msign(skew(W^T G)).
     W, G = random_point((20, 20), "stiefel", seed=3)
