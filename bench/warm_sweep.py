@@ -7,8 +7,10 @@
         --precision tf32 --clip-msign minimax polar-express   (the clip's matrix signs)
     OMP_NUM_THREADS=1 python bench/warm_sweep.py --penalties 0.1 --growth 1 2 --iterations 4 \
         --clip polynomial --precision tf32 --momenta runs/momenta-hetero-256-long.pt   (a growing penalty)
+    python bench/warm_sweep.py --penalties 0.07 --iterations 3 --clip polynomial --precision tf32 \
+        --shapes 2304x768:stiefel 3072x768:dgram          (GPT-2-small shapes; minutes per reference)
 
-For a 768x256 Stiefel and a 1024x256 DGram matrix and 4 drifting momentum-like gradients, runs
+For a 768x256 Stiefel and a 1024x256 DGram matrix (or --shapes) and 4 drifting momentum-like gradients, runs
 the solver step after step (each warm-started from the one before, as the optimizer does) for
 every penalty x over-relaxation x iteration budget, and prints the last step's direction
 quality against the float64 optimum (tests/reference.py); then the cold-start quality of a
@@ -55,18 +57,28 @@ def main():
     ap.add_argument("--clip-msign", nargs="+", default=["minimax"], choices=("minimax", "polar-express"),
                     help="the polynomial clip's matrix signs (SolverOptions.clip_msign), each a row")
     ap.add_argument("--momenta", default=None, help="replay real momenta from bench/dump_momenta.py")
+    ap.add_argument("--shapes", nargs="+", type=parse_shape, default=[(768, 256, "stiefel"), (1024, 256, "dgram")],
+                    metavar="ROWSxCOLS:MANIFOLD",
+                    help="the synthetic cases, tall (default 768x256:stiefel 1024x256:dgram; GPT-2 small: "
+                         "2304x768:stiefel 3072x768:dgram)")
+    ap.add_argument("--reference-iters", type=int, default=800,
+                    help="iterations of the float64 reference ADMM (its certified gap is printed)")
     args = ap.parse_args()
     if args.momenta:
         return replay(args)
     g = torch.Generator().manual_seed(1)
     cases = []
-    for p, q, manifold in [(768, 256, "stiefel"), (1024, 256, "dgram")]:
+    for p, q, manifold in args.shapes:
         W = project_to_manifold(torch.randn(p, q, generator=g) * 0.02, manifold)[None]
         base = momentum_like((p, q), g)
         Gs = [(0.9 * base + 0.1 * momentum_like((p, q), g))[None] for _ in range(4)]
-        opt, _ = optimum(W[0].double(), Gs[-1][0].double(), manifold, iters=800)
+        # In span coordinates (2q x q) the reference costs the same at any row count: exact, and
+        # what makes GPT-2-small shapes affordable on a CPU.
+        opt, upper = optimum(W[0].double(), Gs[-1][0].double(), manifold, iters=args.reference_iters, in_span=True)
+        print(f"reference {p}x{q} {manifold}: optimum {opt:.6f}, certified within {(upper - opt) / upper:.1e}",
+              flush=True)
         cases.append((W, Gs, manifold, opt))
-    names = [f"{m} {it} it." for it in args.iterations for _, _, m, _ in cases]
+    names = [f"{m} {W.size(-2)}x{W.size(-1)} {it} it." for it in args.iterations for W, _, m, _ in cases]
     print(f"warm, the 4th step, clip {args.clip}:  penalty growth relax precision clip-msign warm-average | "
           + " | ".join(names))
     for row in setting_rows(args):
@@ -86,6 +98,18 @@ def main():
                        solve_tall(W, Gs[-1], m, None, SolverOptions(admm_steps=3, tol=0, admm_rho=penalty)).A[0].double(),
                        opt) for W, Gs, m, opt in cases]
         print(f"{penalty:7.3f} | " + " | ".join(f"{x:.4f}" for x in row), flush=True)
+
+
+def parse_shape(text):
+    """"2304x768:stiefel" -> (2304, 768, "stiefel"), a tall matrix on a constrained manifold."""
+    try:
+        dims, manifold = text.split(":")
+        rows, cols = (int(d) for d in dims.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS:MANIFOLD such as 2304x768:stiefel, got {text!r}")
+    if manifold not in ("stiefel", "dgram") or not rows >= cols > 0:
+        raise argparse.ArgumentTypeError(f"expected a tall shape (rows >= cols) on stiefel or dgram, got {text!r}")
+    return rows, cols, manifold
 
 
 def row_options(args, row, iterations):

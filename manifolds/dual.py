@@ -98,7 +98,7 @@ class SolverOptions:
     precision: str = "auto"     # ADMM's inner iterations in span coordinates: "fp32" (3xTF32 on GPUs),
                                 # "tf32" (TF32 tensor cores, fp32 accumulation; emulated on CPU),
                                 # "bf16", or "auto": tf32 for fp32 CUDA tensors, fp32 elsewhere; the
-                                # reduction, lift, final projection and retraction stay fp32 (under
+                                # reduction, the last projection, the lift and retraction stay fp32 (under
                                 # tf32 the retraction's small corrections are TF32 products added in
                                 # fp32: geometry.retract(tf32_correction=True), the same violation)
     capturable: object = "auto"  # True: no host syncs (fixed budgets, decisions on the device; see the
@@ -303,16 +303,18 @@ def finalize(W, A, geo, d2, opts):
     return finalize_banks([(W, A, geo, d2)], opts)[0]
 
 
-def finalize_banks(banks, opts):
+def finalize_banks(banks, opts, project=True):
     """finalize for banks [(W, A, geo, d2)] of the same q (any rows, any batch shape): the
     projections bank by bank, the spectral norms of all from one stack of q x q Grams.
 
-    The answers that reach here are tangent up to their solver's rounding or residual (the span
-    lift, ADMM's projected B, dual ascent near its tolerance), so the projection's correction
-    W M is small: under tf32 iterations it reads TF32 operands (kernels/tangent.py); the Gram
-    W^T A + A^T W that measures the residual stays fp32."""
+    The answers that reach here are tangent up to their solver's rounding or residual (ADMM's
+    projected B, dual ascent near its tolerance), so the projection's correction W M is small:
+    under tf32 iterations it reads TF32 operands (kernels/tangent.py); the Gram W^T A + A^T W
+    that measures the residual stays fp32. project=False: the answers are already tangent to
+    fp32 rounding (the span lift of an fp32 projection, admm_in_span), only the norm is taken."""
     tf32 = iteration_precision(opts, banks[0][0]) == "tf32"
-    projected = [geo.tangent_projection(W, A, d2, opts.backend, tf32_correction=tf32) for W, A, geo, d2 in banks]
+    projected = [geo.tangent_projection(W, A, d2, opts.backend, tf32_correction=tf32) if project else A
+                 for W, A, geo, d2 in banks]
     # The Grams and the power iteration's squarings at the iterations' precision: TF32 operands
     # move the top singular value by ~1e-5 relative (rounding errors uncorrelated with its singular
     # vectors; measured 3e-6 at 3072 x 768), far below the power iteration's own 2.5e-4 on a
@@ -454,7 +456,13 @@ def admm_in_span(problems, opts):
             elif all_ok:
                 done.append((i, X, c, r, 0))
         if done:
-            directions = finalize_banks([(problems[i][0], X, problems[i][2], d2s[i]) for i, X, *_ in done], opts)
+            # No projection on the full matrices: B left ADMM through the span's exact fp32 projection
+            # (pull_back_answer, or B's own), and the lift keeps it tangent up to its rounding (the
+            # lift's precision test bounds it) and W's distance from the manifold (~1e-7 after a
+            # retraction); the fallback Proj_T(G) is lifted from exact coefficients. That
+            # projection was 2 of the step's 6 products at the p rows (bench/RESULTS.md, issue 15).
+            directions = finalize_banks([(problems[i][0], X, problems[i][2], d2s[i]) for i, X, *_ in done], opts,
+                                        project=False)
             for (i, _, c, r, fallbacks), A in zip(done, directions):
                 solutions[i] = Solution(A, c, r, iterations, fallbacks)
     for i, solution in enumerate(solutions):
@@ -492,10 +500,10 @@ def span_iterations(spans, correction, opts):
     and the pullbacks' q x q signs), which run in bf16 (`polar`, `spectral_clip`, `pull_back`);
     direction quality on synthetic momenta 0.997 / 0.999 of the optimum (bench/RESULTS.md).
     bf16: the iterates themselves are bf16 (~6x the 3xTF32 rate), at 0.995 / 0.997. Either way
-    the span reduction before, the lift, the exact tangent projection, the renormalisation and
-    the retraction after stay fp32, so the answer is feasible to fp32 accuracy whatever the
-    iterations' rounding. The elementwise span
-    projection runs in fp32.
+    the span reduction before, the elementwise span projection (the last operation on B: B leaves
+    exactly tangent in span coordinates, to fp32 rounding), the lift, the renormalisation and the
+    retraction after stay fp32, so the answer is feasible to fp32 accuracy whatever the
+    iterations' rounding.
     """
     if iteration_precision(opts, spans.W) != "bf16" or spans.W.dtype == torch.bfloat16:
         with tf32_scope(opts, spans.W):
@@ -505,7 +513,9 @@ def span_iterations(spans, correction, opts):
     B, correction, residual, iterations = admm_iterations(
         spans.W.to(low), spans.G.to(low), spans.geo, None if correction is None else correction.to(low),
         opts, spans.d2.to(low), project)
-    return B.float(), correction.float(), residual.float(), iterations
+    # B projected again in fp32: its bf16 rounding had left it ~4e-3 off the tangent space,
+    # and admm_in_span lifts it without a projection on the full matrices
+    return spans.project(B.float()), correction.float(), residual.float(), iterations
 
 
 def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):

@@ -120,7 +120,8 @@ def piece_cost(piece):
                      projection is then O(q^2)), else n = p; the clip is an eigh of the q x q Gram
                      (~10 q^3 + 2 n q^2) on CPU, two msigns on GPU. The span reduction adds its
                      Gram K of [W, G] (4 p q^2) and the lift (2 p q^2)
-      every manifold: the final projection and spectral norm (3 p q^2 + 5 q^3), the retraction
+      every manifold: the final projection and spectral norm (3 p q^2 + 5 q^3; the span's answer
+                     is lifted tangent, so only the norm's p q^2 + 5 q^3), the retraction
                      (3 Newton-Schulz steps)
 
     dgram-cap is costed as dgram (its active-set rounds run only with columns at the cap), and
@@ -132,7 +133,8 @@ def piece_cost(piece):
     polar_steps = opts.msign_steps + opts.polish_steps
     if piece.manifold == "none":
         return _msign_cost(p, q, polar_steps)
-    common = 3 * p * q * q + 5 * q ** 3 + _msign_cost(p, q, 3)
+    retraction = 5 * q ** 3 + _msign_cost(p, q, 3)
+    common = 3 * p * q * q + retraction
     solver = choose_solver((p, q), piece.manifold) if opts.solver == "auto" else opts.solver
     if solver == "dual":
         evaluations = 1 if piece.manifold == "stiefel" and p == q else opts.dual_steps + 1
@@ -148,8 +150,9 @@ def piece_cost(piece):
     else:
         clip_steps = len(CLIP_SCHEDULE) if opts.clip_msign == "minimax" else polar_steps
         clip = 2 * _msign_cost(n, q, clip_steps) + 2 * n * q * q
-    setup = 6 * p * q * q if reduced else 0
-    return iterations * (projection + clip) + setup + common
+    if reduced:  # K and the lift (6 p q^2); the lifted answer needs no projection, only its norm
+        return iterations * (projection + clip) + 6 * p * q * q + p * q * q + retraction
+    return iterations * (projection + clip) + common
 
 
 def balanced_owners(costs, world_size):
