@@ -72,7 +72,7 @@ class StackedSpans:
         d2_W = torch.cat([V[..., :q].square().sum(dim=-2) for V in self.V])
         self.d = d2_W.clamp_min(1e-30).sqrt()
         self.d2 = torch.cat([d2 for *_, d2 in banks])  # Stiefel: 1, which d^2 is up to rounding
-        self.pair = self.d2.unsqueeze(-1) + self.d2.unsqueeze(-2)
+        pair = self.d2.unsqueeze(-1) + self.d2.unsqueeze(-2)
         self.R12 = WG / self.d.unsqueeze(-1)
         schur = GG - self.R12.mT @ self.R12
         # + SCHUR_SHIFT I: G is often rank-deficient by construction (a matrix that reads LayerNorm
@@ -89,13 +89,16 @@ class StackedSpans:
         self.G = torch.cat([self.R12, self.R22], dim=-2) / torch.cat(scales)
         # ||K||_op from a few plain power steps (O(q^2) each), for `lift`'s precision test
         K = torch.cat([torch.cat([torch.diag_embed(d2_W), WG], dim=-1), torch.cat([WG.mT, GG], dim=-1)], dim=-2)
-        v = power_steps(K, torch.ones(K.shape[:-1] + (1,), dtype=K.dtype, device=K.device), 8, every=2)
+        v = power_steps(K, torch.ones(K.shape[:-1] + (1,), dtype=K.dtype, device=K.device), 8, every=4)
         self.K_norm = (v * (K @ v)).sum(dim=(-2, -1))
         geos = [geo for _, _, geo, _ in banks]
         if len({type(geo) for geo in geos}) == 1 and all(getattr(geo, "pinned", None) is None for geo in geos):
             self.geo = geos[0]  # one manifold: its own projector, no mask
         else:
             self.geo = MaskedGram(torch.cat([geo.keeps_diagonal(W) for (W, _, geo, _) in banks]))
+        # P(S) / (d_i^2 + d_j^2) = S * (P(J) / (d_i^2 + d_j^2)), J all ones: every Gram projector
+        # here keeps or zeroes entries, so `project` pays one product for P and the metric
+        self.projector_scale = self.geo.gram_projector(torch.ones_like(pair)) / pair
 
     def project(self, Y):
         """Euclidean projection onto the tangent space at W' = [D; 0]: Y - W' M with
@@ -103,7 +106,7 @@ class StackedSpans:
         q = self.d.size(-1)
         top = Y[..., :q, :]
         Dy = self.d.unsqueeze(-1) * top
-        M = self.geo.gram_projector(Dy + Dy.mT) / self.pair
+        M = (Dy + Dy.mT) * self.projector_scale
         return torch.cat([top - self.d.unsqueeze(-1) * M, Y[..., q:, :]], dim=-2)
 
     def split(self, X):
@@ -115,7 +118,7 @@ class StackedSpans:
         already holds, and an exact lift (its coefficients are O(1)): c = [-M; I / scale]."""
         q = self.d.size(-1)
         WG = self.WG / self.scale  # W^T G of the unscaled G
-        M = self.geo.gram_projector(WG + WG.mT) / self.pair
+        M = (WG + WG.mT) * self.projector_scale
         eye = torch.eye(q, dtype=M.dtype, device=M.device) / self.scale
         return torch.cat([-M, eye], dim=-2)
 
@@ -154,7 +157,7 @@ class SpanReduction(StackedSpans):
 def top_eigenvalue(S, iters, backend="torch", squarings=5):
     """Largest eigenvalue of symmetric PSD S (..., q, q) by power iteration on S^32.
 
-    Five squarings (by default), normalised as they go, make it converge like 32 x iters plain power steps:
+    Five squarings (by default), rescaled every third, make it converge like 32 x iters plain power steps:
     the top of a near-msign Gram is a tight cluster (within 1% needs a power in the hundreds).
     The Rayleigh quotient on S itself is a lower bound, tight once v is in the top cluster.
     The squarings (S S^T = S^2: kernels.sym_product, upper tiles) only steer v: inside
@@ -162,8 +165,12 @@ def top_eigenvalue(S, iters, backend="torch", squarings=5):
     matrix-vector product either way.
     """
     power = S
-    for _ in range(squarings):
-        power = power / power.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
+    for k in range(squarings):
+        # Rescaled to ||power||_F = 1 every third squaring (launches: three per rescale): then its top
+        # eigenvalue is >= 1 / sqrt(q), and three squarings leave it >= q^-4 (3e-12 at q = 768), far
+        # inside fp32's and bf16's range; the smaller ones may underflow, which only helps
+        if k % 3 == 0:
+            power = power / power.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
         power = kernels.sym_product(power, backend=backend)
     v = torch.ones(S.shape[:-1] + (1,), dtype=S.dtype, device=S.device)
     v[..., 0, :] = 2.0  # break symmetry with an all-ones vector that might be degenerate
@@ -174,7 +181,7 @@ def top_eigenvalue(S, iters, backend="torch", squarings=5):
 def power_steps(M, v, steps, every):
     """`steps` power steps v <- M v (..., n, 1), v normalised after every `every` of them and
     at the end: fewer launches, and v grows by at most ||M||^every in between (top_eigenvalue's
-    M has ||M||_F = 1; K of span[W, G] has trace 2q for unit columns: far from fp32's range; an
+    M has ||M||_F <= 1; K of span[W, G] has trace 2q for unit columns: far from fp32's range; an
     overflow would make `lift` report the matrix imprecise, not pass silently)."""
     for k in range(steps):
         v = M @ v
