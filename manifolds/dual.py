@@ -566,7 +566,8 @@ def admm_iterations(W, G, geo, correction, opts, d2=None, project=None):
             factor = min(growth, opts.admm_rho_max / (penalty * growth ** (k - 1)))
             rho, U = rho * factor, U / factor
         B = project(Z - U + G / rho)
-        relaxed = alpha * B + (1 - alpha) * Z  # over-relaxation: same fixed point, fewer iterations
+        # over-relaxation alpha B + (1 - alpha) Z (one launch): same fixed point, fewer iterations
+        relaxed = torch.lerp(Z, B, alpha)
         Z_new = spectral_clip(relaxed + U, opts)
         U_new = U + relaxed - Z_new
         # primal residual ||B - Z|| and dual residual ||Z - Z_prev||, relative to ||B||
