@@ -110,6 +110,18 @@ def test_reference_in_span_coordinates_is_the_same_optimum(manifold):
     assert abs(span[0] - full[0]) < 1e-9 and abs(span[1] - full[1]) < 1e-9
 
 
+def test_reference_certifies_an_ill_conditioned_momentum():
+    # Momenta of a trained model have fast-decaying spectra, where ADMM at a fixed penalty stalls
+    # (gap 1.2e-4 here after 1000 iterations); the reference's residual balancing must get under 1e-5.
+    W, _ = random_point((64, 32), "stiefel", seed=0)
+    g = torch.Generator().manual_seed(1)
+    left = torch.linalg.qr(torch.randn(64, 32, generator=g, dtype=torch.float64)).Q
+    right = torch.linalg.qr(torch.randn(32, 32, generator=g, dtype=torch.float64)).Q
+    G = (left * torch.logspace(0, -3, 32, dtype=torch.float64)) @ right.T
+    value, upper = optimum(W, G, "stiefel", iters=1000)
+    assert (upper - value) / upper < 1e-5
+
+
 def test_square_stiefel_direction_is_exact():
     # Tangent vectors at a square orthogonal W are W K with K skew, so A* = W msign(skew(W^T G)).
     W, G = random_point((20, 20), "stiefel", seed=3)
