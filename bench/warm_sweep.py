@@ -158,8 +158,9 @@ def replay(args):
             if manifold == "none":
                 continue
             for m in range(W.size(0)):
-                key = (last, b, m)
-                if not isinstance(optima.get(key), tuple):  # missing, or cached before bounds were kept
+                # cached per reference budget: a looser earlier reference is not reused for a tighter one
+                key = (last, b, m, args.reference_iters, args.reference_tol)
+                if key not in optima:
                     optima[key] = optimum(W[m].double(), G[m].double(), manifold, iters=args.reference_iters,
                                           in_span=True, tol=args.reference_tol)
                     torch.save(optima, cache_path)
