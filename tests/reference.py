@@ -38,12 +38,24 @@ def optimum(W, G, manifold, iters=3000, in_span=False, tol=1e-9, check_every=50)
     if in_span and W.size(-2) > 2 * W.size(-1):
         R = torch.linalg.qr(torch.cat([W, G], dim=-1)).R  # [W, G] = Q R: Q^T W, Q^T G are R's halves
         W, G = R[..., :, :W.size(-1)], R[..., :, W.size(-1):]
+    return certified_admm(G, lambda Y: geo.tangent_projection(W, Y), iters, tol, check_every)
+
+
+def certified_admm(G, project, iters, tol, check_every):
+    """(best primal value, best certified upper bound) of  max <G/|G|, A>  s.t.  ||A||_op <= 1,
+    A in the closed convex cone that `project` projects onto (a tangent space, or dgram-cap's
+    tangent cone), by ADMM with exact SVD clips and residual balancing (see `optimum`).
+
+    The bound: for N in the polar cone, <N, A> <= 0 on the cone, so <G, A> <= <G - N, A> <=
+    ||G - N||_*. At the optimum G - rho U is normal; for any iterate N = x - project(x) with
+    x = G - rho U lies in the polar cone (Moreau's decomposition; for a subspace, its
+    orthogonal complement), so every iterate gives a valid bound."""
     G = G / G.norm()
-    rho = torch.linalg.matrix_norm(geo.tangent_projection(W, G), ord=2)
+    rho = torch.linalg.matrix_norm(project(G), ord=2)
     Z, U = torch.zeros_like(G), torch.zeros_like(G)
     best_primal, best_upper = -float("inf"), float("inf")
     for k in range(1, iters + 1):
-        B = geo.tangent_projection(W, Z - U + G / rho)
+        B = project(Z - U + G / rho)
         Z_prev, Z = Z, svd_clip(B + U)
         U = U + B - Z
         if k % 10 == 0:
@@ -53,11 +65,10 @@ def optimum(W, G, manifold, iters=3000, in_span=False, tol=1e-9, check_every=50)
             elif dual_residual > 10 * primal_residual:
                 rho, U = rho / 2, U * 2
         if k % check_every == 0 or k == iters:
-            B = geo.tangent_projection(W, Z - U + G / rho)
+            B = project(Z - U + G / rho)
             best_primal = max(best_primal, float((G * B).sum() / torch.linalg.matrix_norm(B, ord=2)))
-            # At the optimum G - rho U lies in the normal space; project it there to make the bound valid.
-            N = (G - rho * U) - geo.tangent_projection(W, G - rho * U)
-            best_upper = min(best_upper, float(torch.linalg.matrix_norm(G - N, ord="nuc")))
+            x = G - rho * U
+            best_upper = min(best_upper, float(torch.linalg.matrix_norm(G - (x - project(x)), ord="nuc")))
             if best_upper - best_primal <= tol * abs(best_upper):
                 break
     return best_primal, best_upper
@@ -94,15 +105,8 @@ def cone_projection(W, A, capped):
     return A - W * torch.where(fix, wa / W.square().sum(dim=-2), torch.zeros_like(wa))
 
 
-def cone_optimum(W, G, capped, iters=3000):
-    """Optimal <G/|G|, A> / ||A||_op over dgram-cap's tangent cone: ADMM with exact SVD clips."""
+def cone_optimum(W, G, capped, iters=3000, tol=1e-9, check_every=50):
+    """(optimal <G/|G|, A> / ||A||_op, certified upper bound) over dgram-cap's tangent cone at W
+    (tall orientation): `optimum`'s ADMM with the cone's projection."""
     W, G = W.double(), G.double()
-    G = G / G.norm()
-    rho = torch.linalg.matrix_norm(cone_projection(W, G, capped), ord=2)
-    Z, U = torch.zeros_like(G), torch.zeros_like(G)
-    for _ in range(iters):
-        B = cone_projection(W, Z - U + G / rho, capped)
-        Z = svd_clip(B + U)
-        U = U + B - Z
-    B = cone_projection(W, Z - U + G / rho, capped)
-    return float((G * B).sum() / torch.linalg.matrix_norm(B, ord=2))
+    return certified_admm(G, lambda Y: cone_projection(W, Y, capped), iters, tol, check_every)
