@@ -45,4 +45,10 @@ for setting in $SETTINGS; do
     done
     $PY bench/report.py "$OUT/$setting"/seed* --out "$OUT/$setting"
 done
-$PY bench/solver_guard_plot.py "$OUT"
+# The figure compares the default against iters20; an OUT holding other settings only (a commit's
+# gpu runs, compared with the iters20 figures in bench/RESULTS.md) has nothing to plot
+if compgen -G "$OUT/default/seed*/*/metrics.jsonl" > /dev/null || compgen -G "$OUT/iters20/seed*/*/metrics.jsonl" > /dev/null; then
+    $PY bench/solver_guard_plot.py "$OUT"
+else
+    echo "no default or iters20 runs under $OUT: the reports above are the result (no guard figure)"
+fi
