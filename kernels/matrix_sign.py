@@ -132,8 +132,9 @@ def minimax_schedule(lower, steps, safety=1.0):
 
 
 def steps_for(schedule, low_precision):
-    """How many steps of CLIP_SCHEDULE or POLAR_SCHEDULE to run: all of them for fp32 products;
-    all but the last for products at TF32 or below (low_precision). TF32 operands carry ~5e-4
+    """How many steps of CLIP_SCHEDULE to run (the clip's signs; the polar factor runs all of
+    POLAR_SCHEDULE's, dual.polar): all of them for fp32 products; all but the last for products
+    at TF32 or below (low_precision). TF32 operands carry ~5e-4
     of relative rounding (2^-11), and the step before the last already lands within that of 1
     (tests/test_kernels.py checks it): the last step, to ~1e-10, buys an accuracy such products
     cannot deliver (bench/RESULTS.md, issue 15: direction quality unchanged without it)."""

@@ -105,7 +105,7 @@ class SolverOptions:
                                  # module docstring); False: early exits; "auto": True on CUDA tensors
     clip_msign: str = "minimax"  # the polynomial clip's two matrix signs and ADMM's starting polar
                                  # factor: "minimax" (kernels.matrix_sign.CLIP_SCHEDULE, 5 steps, and
-                                 # POLAR_SCHEDULE, 6; one fewer each at TF32) or "polar-express"
+                                 # POLAR_SCHEDULE, 6; the clip's one fewer at TF32) or "polar-express"
                                  # (msign_steps + polish_steps, 7 by default); the same direction
                                  # quality (bench/RESULTS.md)
 
@@ -188,9 +188,9 @@ def gram_function(Y, f):
 
 def polar(Y, opts):
     """msign(Y) = U V^T for tall Y = U S V^T: ADMM's starting Z. Polynomial: the minimax
-    schedule for singular values in [0.005, 1] (6 steps; 5 in bf16 under tf32 iterations), or
-    Polar Express and its polish (7) under clip_msign="polar-express"; the same direction
-    quality (bench/RESULTS.md)."""
+    schedule for singular values in [0.005, 1] (6 steps at every precision), or Polar Express
+    and its polish (7) under clip_msign="polar-express"; the same direction quality
+    (bench/RESULTS.md)."""
     if use_eigh(opts, Y):
         # Singular values below 1e-3 of the largest are rounding noise in Y^T Y (fp32) and
         # would be blown up to 1; they are scaled as if they were 1e-3 (Polar Express, from a
@@ -198,16 +198,20 @@ def polar(Y, opts):
         return gram_function(Y, lambda lam: lam.clamp_min(1e-6 * lam.amax(dim=-1, keepdim=True)).rsqrt())
     if opts.clip_msign == "minimax":
         # a starting point, which the iterations correct: in bf16 under tf32 (twice TF32's rate)
-        # the direction quality moves by <= 1e-4 (bench/RESULTS.md, issue 15)
-        return bf16_under_tf32(lambda Z: minimax_msign(Z, POLAR_SCHEDULE, opts), Y, opts)
+        # the direction quality moves by <= 1e-4 (bench/RESULTS.md, issue 15). All 6 steps even
+        # there: the last lifts the singular values below POLAR_LOWER, and without it real
+        # width-768 momenta lost 0.015 of direction quality (0.9462 against 0.9609 worst c_attn),
+        # for 10 q^3 of the step's ~290 q^3 in matrix signs
+        return bf16_under_tf32(lambda Z: minimax_msign(Z, POLAR_SCHEDULE, opts, full=True), Y, opts)
     return kernels.msign(Y, opts.msign_steps, opts.polish_steps, opts.backend)
 
 
-def minimax_msign(Y, schedule, opts):
+def minimax_msign(Y, schedule, opts, full=False):
     """msign by a minimax schedule of kernels.matrix_sign, one step shorter where the products
-    run at TF32 or below (matrix_sign.steps_for)."""
+    run at TF32 or below (matrix_sign.steps_for) unless `full`."""
     low_precision = tf32_active() or Y.dtype in (torch.bfloat16, torch.float16)
-    return kernels.msign(Y, steps_for(schedule, low_precision), 0, opts.backend, schedule=schedule)
+    steps = len(schedule) if full else steps_for(schedule, low_precision)
+    return kernels.msign(Y, steps, 0, opts.backend, schedule=schedule)
 
 
 def spectral_clip(Y, opts):
