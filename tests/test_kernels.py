@@ -127,8 +127,9 @@ def test_minimax_schedules_are_computed_and_land_in_fp32_at_the_end(name, lower)
 
 @pytest.mark.parametrize("name, lower", SCHEDULES[:2])
 def test_minimax_schedules_land_in_tf32_rounding_one_step_early(name, lower):
-    """steps_for drops a schedule's last step at TF32 (the clip's; the polar factor runs all six): the step before must
-    already leave its range within ~5e-4 of 1 (TF32's unit rounding 2^-11 = 4.9e-4)."""
+    """steps_for drops a schedule's last step at TF32 (the clip's; the polar factor runs all six):
+    the step before must already leave its range within ~5e-4 of 1 (TF32's unit rounding
+    2^-11 = 4.9e-4)."""
     ms = kernels.matrix_sign
     schedule, lower = getattr(ms, name), getattr(ms, lower)
     x = torch.linspace(lower, 1.0, 200001, dtype=torch.float64)
