@@ -15,7 +15,7 @@ all on the same weights and gradients, in the same precision, in the same proces
 time ratios. Gradients are "momentum-like": a power-law spectrum (s_i ~ 1/i, as the momentum of
 real GPT-2 gradients shows: largest / median singular value ~ 100) plus noise, drifting slowly
 from step to step. With --quality it also measures, for one matrix per bank, the direction
-quality <G/|G|, A>/||A||_op as a fraction of a certified float64 optimum (tests/reference.py)
+quality <G/|G|, A>/||A||_op as a fraction of a certified float64 optimum (manifolds/optimum.py)
 of the last step (ours: warm-started along the gradient sequence, as timed, and cold), the
 tangent residual and the manifold violation after the step. A FLOP model of both algorithms
 for GPT-2 small is printed too.
@@ -31,7 +31,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 from bench.results import Results  # noqa: E402
 from bench.published import PUBLISHED, published_direction, published_step  # noqa: E402
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction  # noqa: E402
@@ -149,7 +148,7 @@ def quality_report(banks, args):
     "ours" and "ours-20" are warm-started along the bench's gradient sequence, as in the timed
     steps; "ours-cold" is the first step of a run (or steepest_direction), twice the iterations.
     """
-    from reference import optimum, quality  # float64 ADMM with exact SVD and a duality certificate
+    from manifolds.optimum import optimum, quality  # float64 ADMM with exact SVD and a duality certificate
     rows = []
     for bank in banks:
         if bank["manifold"] == "none":

@@ -13,7 +13,7 @@
 For a 768x256 Stiefel and a 1024x256 DGram matrix (or --shapes) and 4 drifting momentum-like gradients, runs
 the solver step after step (each warm-started from the one before, as the optimizer does) for
 every penalty x over-relaxation x iteration budget, and prints the last step's direction
-quality against the float64 optimum (tests/reference.py); then the cold-start quality of a
+quality against the float64 optimum (manifolds/optimum.py); then the cold-start quality of a
 few penalties (the first step of a run has no warm start).
 
 With --momenta FILE (bench/dump_momenta.py: weights and momenta recorded from a training run)
@@ -30,11 +30,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 from bench.optimizer import momentum_like  # noqa: E402
 from manifolds import project_to_manifold  # noqa: E402
 from manifolds.dual import SolverOptions, solve_tall, solve_tall_banks  # noqa: E402
-from reference import optimum, quality  # noqa: E402
+from manifolds.optimum import optimum, quality  # noqa: E402
 
 
 def main():

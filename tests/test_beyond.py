@@ -9,7 +9,7 @@ import torch
 from errors import UserError
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
 from manifolds.assignment import PRESETS, parse_assignment, qkv_blocks
-from reference import cone_optimum, random_point
+from manifolds.optimum import cone_optimum, random_point
 from test_reliability import data_dir, rows, run, start_then, train_losses  # noqa: F401 (fixture)
 
 # --- spec parsing -----------------------------------------------------------------------

@@ -7,7 +7,7 @@ from manifolds.step_graph import HOST_READS, NotCapturable, Recorded
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
 from manifolds.dual import SolverOptions, solve_tall
 from manifolds.geometry import geometry
-from reference import optimum, quality, random_point
+from manifolds.optimum import optimum, quality, random_point
 
 # the aten ops a host read of a device value ends in (item, bool, float, tolist, if tensor:)
 SYNC_OPS = HOST_READS

@@ -7,7 +7,7 @@ import torch
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
 from manifolds.dual import SolverOptions, solve_tall
 from manifolds.geometry import MANIFOLDS
-from reference import optimum, quality, random_point
+from manifolds.optimum import optimum, quality, random_point
 
 SHAPES = {"tall": (48, 16), "wide": (16, 48), "square": (40, 40)}
 

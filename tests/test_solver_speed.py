@@ -6,7 +6,7 @@ import torch
 from manifolds.dual import SolverOptions, admm_iterations, solve_tall, spectral_clip
 from manifolds.geometry import geometry
 from manifolds.span import SpanReduction
-from reference import optimum, quality, random_point
+from manifolds.optimum import optimum, quality, random_point
 
 
 def momentum_sequence(W, seed, steps=4, rank_decay=1.0):

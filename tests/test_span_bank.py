@@ -4,7 +4,7 @@ import torch
 
 from manifolds.dual import SolverOptions, solve_tall, solve_tall_banks
 from manifolds.geometry import DGramCap, MaskedGram, geometry
-from reference import random_point
+from manifolds.optimum import random_point
 
 
 def banks(seed=0, q=16):

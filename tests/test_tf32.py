@@ -9,7 +9,7 @@ from kernels import products_torch
 from kernels.precision import round_to_tf32, tf32_active, tf32_products
 from manifolds.dual import SolverOptions, iteration_precision, solve_tall
 from manifolds.geometry import geometry
-from reference import random_point
+from manifolds.optimum import random_point
 
 
 def tf32_reference(x):
