@@ -8,7 +8,7 @@ Data: the hub dataset `Rowan/hellaswag` (validation: 10,042 items) through `data
 `endings` (4 strings) and `label` (0-3, a number or a string), as in the original
 hellaswag_val.jsonl and the hub's rows (other fields are ignored).
 
-Scoring, llm.c's "completion style" (dev/data/hellaswag.py there): the tokens of ctx followed by
+Scoring, llm.c's "completion style" (dev/data/hellaswag.py in karpathy/llm.c): the tokens of ctx followed by
 those of " " + ending; per ending, the log-probability of each ending token given everything
 before it, from the model's softmax over the 50257 BPE tokens (padded rows at -inf):
     score(ending)  = sum_j log p(e_j | ctx, e_<j)

@@ -1,6 +1,7 @@
 """A faithful re-statement of the published manifold Muon step, for comparison only.
 
-What the published implementation does, per matrix, in a Python loop (MISSION.md):
+What the published implementation does, per matrix, in a Python loop (the problem it solves is
+stated in README.md):
   - input G: the (Nesterov) momentum, not normalised;
   - Lambda0 = -(1/4) P(W^T G + G^T W);
   - 20 dual steps: A = msign(G + 2 W Lambda) by 10 Polar-Express iterations,

@@ -1,5 +1,5 @@
 """`--assign auto`: start every block from a base assignment and move a block's attention to
-Stiefel once its diagnostics show the failure MISSION.md describes (scale growth of W_Q, W_K
+Stiefel once its diagnostics show DGram attention's failure (scale growth of W_Q, W_K
 -> large logits -> a saturated softmax).
 
 At each evaluation, for every layer not yet switched, any of these triggers a switch:

@@ -1,6 +1,6 @@
 """What an eval row shows besides the loss: the mechanism by which an assignment works or fails.
 
-MISSION.md's account of the DGram-attention instability: DGram leaves the singular values of
+The DGram-attention instability (README.md, docs/experiments.md): DGram leaves the singular values of
 W_Q and W_K free; the attention logits x W_Q W_K^T x^T / sqrt(d_head) grow with them, the softmax
 saturates to one-hot and its Jacobian vanishes. Each eval row therefore carries
 
