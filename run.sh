@@ -69,7 +69,7 @@ setup() {
 demo() {
     setup
     rm -rf data/sample_shards  # tokenize afresh: prepare.py refuses a folder made from other input
-    "$VENV/bin/python" data/prepare.py --files data/sample/books.jsonl --out-dir data/sample_shards \
+    "$VENV/bin/python" -m data.prepare --files data/sample/books.jsonl --out-dir data/sample_shards \
         --val-fraction 0.03
     "$VENV/bin/python" train_gpt2.py --assign hetero --data-dir data/sample_shards --out-dir runs/demo \
         --n-layer 2 --n-head 2 --n-embd 64 --seq-len 64 --total-batch-size 8 --batch-size 8 --max-steps 60 \
@@ -96,7 +96,7 @@ quick_data() {
     if finished "$owt"; then DATA_DIR=$owt; return; fi
     if hub_reachable; then
         echo "== preparing $OWT_SAMPLE (10k OpenWebText documents, about 11M tokens) in $owt"
-        if "$VENV/bin/python" data/prepare.py --dataset "$OWT_SAMPLE" --revision refs/convert/parquet \
+        if "$VENV/bin/python" -m data.prepare --dataset "$OWT_SAMPLE" --revision refs/convert/parquet \
                 --out-dir "$owt" --val-fraction 0.01; then
             DATA_DIR=$owt; return
         fi
@@ -104,9 +104,9 @@ quick_data() {
     fi
     echo "== no network: training on the bundled sample text (data/sample/books.jsonl: three public-domain"
     echo "   books, 214k tokens; under one epoch in the quick setting)."
-    echo "   For your own text: $VENV/bin/python data/prepare.py --files books/*.txt more.jsonl --out-dir data/mine"
+    echo "   For your own text: $VENV/bin/python -m data.prepare --files books/*.txt more.jsonl --out-dir data/mine"
     echo "   then: bash run.sh quick --data-dir data/mine"
-    "$VENV/bin/python" data/prepare.py --files data/sample/books.jsonl --out-dir "$sample" --val-fraction 0.03
+    "$VENV/bin/python" -m data.prepare --files data/sample/books.jsonl --out-dir "$sample" --val-fraction 0.03
     DATA_DIR=$sample
 }
 
@@ -114,7 +114,7 @@ paper_data() {
     DATA_DIR="$DATA_ROOT/openwebtext"
     finished "$DATA_DIR" && return
     echo "== preparing OpenWebText in $DATA_DIR (about 75 GB of disk while it runs; see README)"
-    "$VENV/bin/python" data/prepare.py --out-dir "$DATA_DIR"
+    "$VENV/bin/python" -m data.prepare --out-dir "$DATA_DIR"
 }
 
 # --- the ablation ------------------------------------------------------------------------
@@ -351,8 +351,8 @@ except (OSError, ValueError, KeyError):
 # The report of $RUNS_DIR: a sweep's statistics (bench/sweep_report.py), else the table of runs.
 report() {
     echo "== report"
-    if [ "$command" = sweep ]; then "$VENV/bin/python" bench/sweep_report.py "$RUNS_DIR"
-    else "$VENV/bin/python" bench/report.py "$RUNS_DIR"; fi
+    if [ "$command" = sweep ]; then "$VENV/bin/python" -m bench.sweep_report "$RUNS_DIR"
+    else "$VENV/bin/python" -m bench.report "$RUNS_DIR"; fi
 }
 
 # Takes --jobs N / --jobs=N out of the arguments (into JOBS_N; JOBS=N in the environment is the
@@ -468,6 +468,6 @@ case "$command" in
         [ ${#SEEDS[@]} -gt 0 ] || SEEDS=("${SWEEP_SEEDS[@]}")
         FLAGS=("$@"); ablation "$setting" ;;
     report) [ $# -gt 0 ] || die "bash run.sh report FOLDER..."
-            setup; "$VENV/bin/python" bench/report.py "$@" ;;
+            setup; "$VENV/bin/python" -m bench.report "$@" ;;
     *) echo "usage: bash run.sh {quick|paper|assign|sweep|report|setup|demo} [...] (see the top of run.sh)" >&2; exit 2 ;;
 esac

@@ -1,8 +1,8 @@
 """Compile every Triton configuration ahead of time for sm_80 and sm_90, without a GPU.
 
-    python bench/aot_compile.py                      # the full sweep, 2 parallel builds
-    python bench/aot_compile.py --jobs 8 --out aot.json
-    python bench/aot_compile.py --kernels matmul_add --dtypes fp32 --targets sm_80
+    python -m bench.aot_compile                      # the full sweep, 2 parallel builds
+    python -m bench.aot_compile --jobs 8 --out aot.json
+    python -m bench.aot_compile --kernels matmul_add --dtypes fp32 --targets sm_80
 
 The sweep: every configuration of GPU_CONFIGS and SMALL_CONFIGS x every flag set the wrappers
 launch a kernel with (products_triton.WRAPPER_FLAGS) x fp32/bf16/fp16 x sm_80/sm_90, and for
@@ -14,13 +14,11 @@ with the largest figures over the flag sets. See kernels/aot.py for what a build
 """
 import argparse
 import json
-import os
 import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import aot  # noqa: E402
+from kernels import aot
 
 
 def summarise(results):

@@ -1,6 +1,6 @@
 """What verified checkpoints cost: write and load with the SHA-256 manifest against plain torch.save/load.
 
-    python bench/checkpoint_io.py [--mb 512] [--repeat 3] [--dir /tmp]
+    python -m bench.checkpoint_io [--mb 512] [--repeat 3] [--dir /tmp]
 
 Writes a payload of --mb MB of fp32 tensors (GPT-2 small's model + AdamW + Muon state is about
 1.5 GB) to --dir, interleaving the two ways --repeat times, and prints medians: save_atomic
@@ -11,13 +11,11 @@ The page cache is warm for the loads: the hash reads what torch.load then reads 
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from training.checkpoints import file_sha256, load_checkpoint, remove_checkpoint, save_atomic  # noqa: E402
+from training.checkpoints import file_sha256, load_checkpoint, remove_checkpoint, save_atomic
 
 
 def timed(fn):

@@ -1,8 +1,8 @@
 """What one ManifoldMuon step of a GPT-2 would cost on a GPU, counted on a CPU (issue 15).
 
-    python bench/cost_model.py                                  # GPT-2 small, hetero, world sizes 1 and 8
-    python bench/cost_model.py --fake                           # shapes only, if the step allows it
-    python bench/cost_model.py --n-layer 2 --n-embd 64 --out /tmp/cost.json
+    python -m bench.cost_model                                  # GPT-2 small, hetero, world sizes 1 and 8
+    python -m bench.cost_model --fake                           # shapes only, if the step allows it
+    python -m bench.cost_model --n-layer 2 --n-embd 64 --out /tmp/cost.json
 
 It builds the trainer's Muon groups exactly (train_gpt2.build_optimizers, --kernels torch, fp32
 on CPU), gives every matrix a momentum-like gradient (bench/optimizer.py), runs one untimed
@@ -37,11 +37,11 @@ import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorMode)
 
+from bench.op_count import OpCounter, simulated_collectives, triton_attribution
+from bench.optimizer import momentum_like
+from bench.results import Results
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from bench.op_count import OpCounter, simulated_collectives, triton_attribution  # noqa: E402
-from bench.optimizer import momentum_like  # noqa: E402
-from bench.results import Results  # noqa: E402
 
 # Stated constants of one H200 for the estimate. Measured: dense bf16 at 790 TFLOP/s on a large
 # product; the rest are assumptions, not measurements.

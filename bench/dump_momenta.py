@@ -1,6 +1,6 @@
 """Record the optimizer's real inputs (weights and Nesterov momenta) from a training run.
 
-    python bench/dump_momenta.py --out runs/momenta.pt --steps 47-50 297-300 -- \
+    python -m bench.dump_momenta --out runs/momenta.pt --steps 47-50 297-300 -- \
         --data-dir runs/stabilizers/data --assign hetero --n-layer 2 --n-head 4 --n-embd 256 \
         --seq-len 128 --total-batch-size 8 --batch-size 8 --max-steps 300 --device cpu
 
@@ -14,16 +14,13 @@ them against the float64 optimum. Synthetic momenta (bench/optimizer.momentum_li
 real ones have: LayerNorm null vectors, spectra that change with training.
 """
 import argparse
-import os
 import sys
 import tempfile
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import manifolds.optimizer as optimizer_module  # noqa: E402
-import train_gpt2  # noqa: E402
+import manifolds.optimizer as optimizer_module
+import train_gpt2
 
 
 def parse_steps(texts):

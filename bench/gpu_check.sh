@@ -109,7 +109,7 @@ else
 fi
 
 # the training data, written on the CPU while the GPU steps run
-"$PYTHON" bench/make_synthetic_shards.py "$WORK/shards" --tokens "$SHARD_TOKENS" --mode pattern \
+"$PYTHON" -m bench.make_synthetic_shards "$WORK/shards" --tokens "$SHARD_TOKENS" --mode pattern \
     > "$WORK/shards.log" 2>&1 &
 shards=$!
 
@@ -125,10 +125,10 @@ if [[ -n $aot ]]; then  # joined before the benches, whose eager timings include
     wait "$aot"
     tee -a "$LOG" < "$WORK/aot.held"
 fi
-step kernels 55 "$PYTHON" bench/kernels.py "${KERNELS[@]}" --out "$OUT/kernels.json"
-step step_time 65 "$PYTHON" bench/step_time.py --assign hetero unconstrained "${STEP_TIME[@]}" \
+step kernels 55 "$PYTHON" -m bench.kernels "${KERNELS[@]}" --out "$OUT/kernels.json"
+step step_time 65 "$PYTHON" -m bench.step_time --assign hetero unconstrained "${STEP_TIME[@]}" \
     --out "$OUT/step_time.json"
-step optimizer 45 "$PYTHON" bench/optimizer.py --assign hetero --dtype bfloat16 "${OPTIMIZER[@]}" \
+step optimizer 45 "$PYTHON" -m bench.optimizer --assign hetero --dtype bfloat16 "${OPTIMIZER[@]}" \
     --out "$OUT/optimizer.json"
 
 wait "$shards" || echo "make_synthetic_shards failed" | tee -a "$LOG" "$SUMMARY"

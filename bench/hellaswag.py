@@ -1,7 +1,7 @@
 """HellaSwag accuracy of a checkpoint: which of 4 endings the model finds most likely.
 
-    python bench/hellaswag.py --out-dir runs/hetero --json runs/hetero/hellaswag.json
-    python bench/hellaswag.py --checkpoint ckpt.pt --jsonl hellaswag_val.jsonl --limit 1000
+    python -m bench.hellaswag --out-dir runs/hetero --json runs/hetero/hellaswag.json
+    python -m bench.hellaswag --checkpoint ckpt.pt --jsonl hellaswag_val.jsonl --limit 1000
 
 Data: the hub dataset `Rowan/hellaswag` (validation: 10,042 items) through `datasets`, or with
 --jsonl a local file in HellaSwag's format, one item per line: `ctx` (or `ctx_a` and `ctx_b`),
@@ -32,11 +32,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.results import Results  # noqa: E402
-from data.bpe import gpt2_encoding  # noqa: E402
-from errors import UserError, run_cli  # noqa: E402
-from training.model_io import (EOT, HelpFormatter, add_checkpoint_flags, find_checkpoint,  # noqa: E402
+from bench.results import Results
+from data.bpe import gpt2_encoding
+from errors import UserError, run_cli
+from training.model_io import (EOT, HelpFormatter, add_checkpoint_flags, find_checkpoint,
                                gpt2_logits, load_model, pick_device, require_gpt2_vocab)
 
 HUB_DATASET = "Rowan/hellaswag"

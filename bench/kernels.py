@@ -1,7 +1,7 @@
 """Time the fused Triton kernels against their torch twins on GPT-2-small banks (needs a CUDA GPU).
 
-    python bench/kernels.py                       # the table below, on the current GPU
-    python bench/kernels.py --out results.json    # also one JSON row per measurement
+    python -m bench.kernels                       # the table below, on the current GPU
+    python -m bench.kernels --out results.json    # also one JSON row per measurement
 
 Banks are the stacked same-shape Muon matrices of GPT-2 small (12 layers):
 attn.c_proj 12 x 768x768, attn.c_attn 12 x 768x2304, mlp 24 x 768x3072 (c_fc and c_proj).
@@ -21,16 +21,14 @@ multiply-adds each backend executes: the Triton Gram products compute half the t
 "err" is the largest difference from the torch result relative to its largest entry.
 """
 import argparse
-import os
 import platform
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import kernels  # noqa: E402
-from bench.results import Results  # noqa: E402
-from kernels.matrix_sign import NEWTON_SCHULZ, polar_express_coefficients  # noqa: E402
+import kernels
+from bench.results import Results
+from kernels.matrix_sign import NEWTON_SCHULZ, polar_express_coefficients
 
 BANKS = {"attn.c_proj": (12, 768, 768), "attn.c_attn": (12, 768, 2304), "mlp": (24, 768, 3072)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -1,6 +1,6 @@
 """Synthetic token shards for smoke runs where no corpus is at hand (a GPU check, say).
 
-    python bench/make_synthetic_shards.py OUT_DIR [--tokens N] [--mode random|pattern]
+    python -m bench.make_synthetic_shards OUT_DIR [--tokens N] [--mode random|pattern]
 
 random:  uniform GPT-2 token ids. Nothing to learn: the loss stays near ln(50257) = 10.8.
 pattern: a noisy cycle over the GPT-2 vocabulary, learnable in a few hundred steps: the next
@@ -11,12 +11,10 @@ Writes train_000000.bin (--tokens) and val_000000.bin (a tenth of it, another se
 """
 import argparse
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.shards import write_shard  # noqa: E402
+from data.shards import write_shard
 
 VOCAB = 50257  # GPT-2's token ids
 

@@ -1,7 +1,7 @@
 """Cost and accuracy of one manifold Muon step: the published algorithm against ours.
 
-    python bench/optimizer.py                          # CPU: n_embd 256, 2 layers, hetero
-    python bench/optimizer.py --n-embd 768 --n-layer 12 --device cuda --dtype bfloat16
+    python -m bench.optimizer                          # CPU: n_embd 256, 2 layers, hetero
+    python -m bench.optimizer --n-embd 768 --n-layer 12 --device cuda --dtype bfloat16
 
 For the Muon matrices of a GPT-2 (`--assign` decides their manifolds) it times one optimizer
 step of
@@ -23,21 +23,17 @@ for GPT-2 small is printed too.
 import argparse
 import json
 import math
-import os
-import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from bench.results import Results  # noqa: E402
-from bench.published import PUBLISHED, published_direction, published_step  # noqa: E402
-from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction  # noqa: E402
-from kernels.matrix_sign import CLIP_SCHEDULE, POLAR_SCHEDULE  # noqa: E402
-from manifolds.dual import SolverOptions, solve_tall  # noqa: E402
-from manifolds.assignment import parse_assignment  # noqa: E402
-from manifolds.geometry import MANIFOLDS  # noqa: E402
+from bench.results import Results
+from bench.published import PUBLISHED, published_direction, published_step
+from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
+from kernels.matrix_sign import CLIP_SCHEDULE, POLAR_SCHEDULE
+from manifolds.dual import SolverOptions, solve_tall
+from manifolds.assignment import parse_assignment
+from manifolds.geometry import MANIFOLDS
 
 
 def muon_shapes(n_embd, n_layer):

@@ -1,7 +1,7 @@
 """Measure data/prepare.py: tokens/s per worker count, and peak memory on a corpus bigger than a shard.
 
-    python bench/prepare_throughput.py --books /work/shared/corpus/*.txt --tokens 30e6 --num-proc 1 2
-    python bench/prepare_throughput.py --books ... --tokens 130e6 --num-proc 2 --shard-tokens 100000000
+    python -m bench.prepare_throughput --books /work/shared/corpus/*.txt --tokens 30e6 --num-proc 1 2
+    python -m bench.prepare_throughput --books ... --tokens 130e6 --num-proc 2 --shard-tokens 100000000
 
 Builds a local .jsonl corpus of about --tokens GPT-2 tokens by cutting the books into
 documents of a few KB (OpenWebText averages about 5 KB) and repeating them, then runs
@@ -78,11 +78,11 @@ def process_tree_rss(pid):
 
 
 def run_prepare(corpus, out_dir, num_proc, shard_tokens):
-    command = [sys.executable, os.path.join(ROOT, "data", "prepare.py"), "--files", corpus, "--out-dir", out_dir,
+    command = [sys.executable, "-m", "data.prepare", "--files", corpus, "--out-dir", out_dir,
                "--num-proc", str(num_proc), "--shard-tokens", str(shard_tokens)]
     started, cpu_before = time.time(), children_cpu_seconds()
     load_before = os.getloadavg()[0]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     peak_tree = 0
     while process.poll() is None:
         peak_tree = max(peak_tree, process_tree_rss(process.pid))

@@ -1,7 +1,7 @@
 """Table and figure of an ablation: one row and one curve per training run.
 
-    python bench/report.py runs/quick-20250101-120000          # a folder of run folders
-    python bench/report.py runs/a/hetero runs/b/hetero --out cmp  # any run folders
+    python -m bench.report runs/quick-20250101-120000          # a folder of run folders
+    python -m bench.report runs/a/hetero runs/b/hetero --out cmp  # any run folders
 
 A run folder is what train_gpt2.py writes (config.json, metrics.jsonl, summary.json); a folder
 without metrics.jsonl is searched below for run folders (e.g. run.sh's <spec>/seed<S>). Runs are
@@ -18,10 +18,8 @@ import json
 import math
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from errors import UserError, run_cli  # noqa: E402
+from errors import UserError, run_cli
 
 COLUMNS = ("assignment", "final val loss", "steps", "tokens", "tokens/s", "optimizer share",
            "max attn logit", "max σ attention", "max σ MLP")

@@ -17,8 +17,8 @@ OUT=${OUT:-runs/solver-guard}
 PY=${VENV:-.venv}/bin/python
 mkdir -p "$OUT"
 if [ ! -f "$OUT/data/prepare_progress.json" ]; then
-    $PY bench/split_text.py "$CORPUS"/*.txt --out "$OUT/books.jsonl"
-    $PY data/prepare.py --files "$OUT/books.jsonl" --out-dir "$OUT/data" --val-fraction 0.1 --num-proc 1
+    $PY -m bench.split_text "$CORPUS"/*.txt --out "$OUT/books.jsonl"
+    $PY -m data.prepare --files "$OUT/books.jsonl" --out-dir "$OUT/data" --val-fraction 0.1 --num-proc 1
 fi
 declare -A SOLVER=([default]="" [iters20]="--admm-steps 20 --dual-steps 20 --admm-pullbacks 0"
                    [warm1]="--admm-steps 1" [warm2]="--admm-steps 2" [warm3]="--admm-steps 3" [warm4]="--admm-steps 4"
@@ -43,12 +43,12 @@ for setting in $SETTINGS; do
                 ${SOLVER[$setting]} "$@"
         done
     done
-    $PY bench/report.py "$OUT/$setting"/seed* --out "$OUT/$setting"
+    $PY -m bench.report "$OUT/$setting"/seed* --out "$OUT/$setting"
 done
 # The figure compares the default against iters20; an OUT holding other settings only (a commit's
 # gpu runs, compared with the iters20 figures in bench/RESULTS.md) has nothing to plot
 if compgen -G "$OUT/default/seed*/*/metrics.jsonl" > /dev/null || compgen -G "$OUT/iters20/seed*/*/metrics.jsonl" > /dev/null; then
-    $PY bench/solver_guard_plot.py "$OUT"
+    $PY -m bench.solver_guard_plot "$OUT"
 else
     echo "no default or iters20 runs under $OUT: the reports above are the result (no guard figure)"
 fi

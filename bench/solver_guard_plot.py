@@ -1,16 +1,14 @@
 """Figure and table of bench/solver_guard.sh: val-loss curves of the default solver budget
 against 20 iterations, per assignment and seed, and the two spreads that decide the guard.
 
-    python bench/solver_guard_plot.py runs/solver-guard     # writes guard.md and guard.png there
+    python -m bench.solver_guard_plot runs/solver-guard     # writes guard.md and guard.png there
 """
 import argparse
 import glob
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.report import Run  # noqa: E402
-from errors import UserError, run_cli  # noqa: E402
+from bench.report import Run
+from errors import UserError, run_cli
 
 SETTINGS = ("default", "iters20")
 

@@ -1,7 +1,7 @@
 """Optimizer step time against the forward+backward of a training batch, on one GPU.
 
-    python bench/step_time.py                       # GPT-2 small, 64 x 1024 tokens, bf16 autocast
-    python bench/step_time.py --assign unconstrained
+    python -m bench.step_time                       # GPT-2 small, 64 x 1024 tokens, bf16 autocast
+    python -m bench.step_time --assign unconstrained
 
 Builds train_gpt2.GPT (GPT-2 small by default), runs forward+backward of a --batch x --seq-len
 token batch (random tokens; split into --micro-batch pieces to bound memory), then times the
@@ -16,16 +16,13 @@ step from the same state (`graph_max_abs_diff`); on CPU the same replay semantic
 by tests/test_capturable.py with manifolds/step_graph.py.
 """
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train_gpt2  # noqa: E402
-from bench.results import Results  # noqa: E402
-from manifolds.step_graph import StepGraph, lr_in_device_tensors  # noqa: E402
+import train_gpt2
+from bench.results import Results
+from manifolds.step_graph import StepGraph, lr_in_device_tensors
 
 
 def timed(fn, device, repeat):

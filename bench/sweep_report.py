@@ -1,8 +1,8 @@
 """Statistics of a learning-rate x seed sweep (bash run.sh sweep): is the ordering of the assignments real?
 
-    python bench/sweep_report.py runs/sweep-20250101-120000
-    python bench/sweep_report.py runs/sweep-20250101-120000 --out elsewhere
-    python bench/sweep_report.py runs/long-1000 --at-step 200 --out runs/long-1000/at-200
+    python -m bench.sweep_report runs/sweep-20250101-120000
+    python -m bench.sweep_report runs/sweep-20250101-120000 --out elsewhere
+    python -m bench.sweep_report runs/long-1000 --at-step 200 --out runs/long-1000/at-200
 
 By default each run counts by its final val loss; --at-step N compares the val loss of the evaluation
 at step N instead (runs that reached it, not diverged by then), e.g. how an ordering evolves over a
@@ -25,12 +25,10 @@ import argparse
 import math
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.report import find_runs  # noqa: E402
-from bench.welch import Paired, Welch  # noqa: E402
-from errors import UserError, run_cli  # noqa: E402
+from bench.report import find_runs
+from bench.welch import Paired, Welch
+from errors import UserError, run_cli
 
 LEVEL = 0.95  # of the confidence intervals
 

@@ -1,7 +1,7 @@
 """Whole-step throughput of the trainer: manifold Muon against plain Muon and AdamW alone.
 
-    python bench/throughput.py                      # tiny GPT-2 on CPU (2 layers, width 256)
-    python bench/throughput.py --n-layer 12 --n-embd 768 --batch 16 --seq-len 1024   # on a GPU
+    python -m bench.throughput                      # tiny GPT-2 on CPU (2 layers, width 256)
+    python -m bench.throughput --n-layer 12 --n-embd 768 --batch 16 --seq-len 1024   # on a GPU
 
 For each setting (--settings: an --assign value, or `adamw` for --optimizer adamw) it builds
 train_gpt2's model and optimizers and times the training step as the loop runs it: forward and
@@ -10,16 +10,13 @@ are interleaved round by round in one process, so load on a shared machine hits 
 it prints median tokens/s and each setting's ratio to the first.
 """
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train_gpt2  # noqa: E402
-from bench.results import Results  # noqa: E402
+import train_gpt2
+from bench.results import Results
 
 
 def build(setting, args, device):

@@ -1,13 +1,13 @@
 """How the ADMM warm start's penalty and iteration budget were chosen (bench/RESULTS.md).
 
-    OMP_NUM_THREADS=1 python bench/warm_sweep.py
-    OMP_NUM_THREADS=1 python bench/warm_sweep.py --penalties 0.1 --iterations 4 --clip polynomial \
+    OMP_NUM_THREADS=1 python -m bench.warm_sweep
+    OMP_NUM_THREADS=1 python -m bench.warm_sweep --penalties 0.1 --iterations 4 --clip polynomial \
         --precision fp32 tf32 bf16         (the inner iterations' precision, as a GPU runs them)
-    OMP_NUM_THREADS=1 python bench/warm_sweep.py --penalties 0.1 --iterations 4 --clip polynomial \
+    OMP_NUM_THREADS=1 python -m bench.warm_sweep --penalties 0.1 --iterations 4 --clip polynomial \
         --precision tf32 --clip-msign minimax polar-express   (the clip's matrix signs)
-    OMP_NUM_THREADS=1 python bench/warm_sweep.py --penalties 0.1 --growth 1 2 --iterations 4 \
+    OMP_NUM_THREADS=1 python -m bench.warm_sweep --penalties 0.1 --growth 1 2 --iterations 4 \
         --clip polynomial --precision tf32 --momenta runs/momenta-hetero-256-long.pt   (a growing penalty)
-    python bench/warm_sweep.py --penalties 0.07 --iterations 3 --clip polynomial --precision tf32 \
+    python -m bench.warm_sweep --penalties 0.07 --iterations 3 --clip polynomial --precision tf32 \
         --shapes 2304x768:stiefel 3072x768:dgram          (GPT-2-small shapes; minutes per reference)
 
 For a 768x256 Stiefel and a 1024x256 DGram matrix (or --shapes) and 4 drifting momentum-like gradients, runs
@@ -24,16 +24,13 @@ bank at the window's last step. The float64 optima are cached in FILE.optima.pt.
 """
 import argparse
 import os
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from bench.optimizer import momentum_like  # noqa: E402
-from manifolds import project_to_manifold  # noqa: E402
-from manifolds.dual import SolverOptions, solve_tall, solve_tall_banks  # noqa: E402
-from manifolds.optimum import optimum, quality  # noqa: E402
+from bench.optimizer import momentum_like
+from manifolds import project_to_manifold
+from manifolds.dual import SolverOptions, solve_tall, solve_tall_banks
+from manifolds.optimum import optimum, quality
 
 
 def main():

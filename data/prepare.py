@@ -1,8 +1,8 @@
 """Tokenize a text corpus into the GPT-2 token shards that train_gpt2.py reads.
 
-    python data/prepare.py                                   # OpenWebText from the Hugging Face hub
-    python data/prepare.py --dataset NAME [--dataset-config C] [--text-column text]
-    python data/prepare.py --files books/*.txt more.jsonl --out-dir data/books --val-fraction 0.1
+    python -m data.prepare                                   # OpenWebText from the Hugging Face hub
+    python -m data.prepare --dataset NAME [--dataset-config C] [--text-column text]
+    python -m data.prepare --files books/*.txt more.jsonl --out-dir data/books --val-fraction 0.1
 
 Every document is preceded by the end-of-text token 50256. A document goes to the validation
 split when a hash of (--seed, its index) falls below --val-fraction. Shards are `train_000000.bin`,
@@ -25,13 +25,12 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.bpe import gpt2_encoding  # noqa: E402
-from data.progress import PROGRESS_FILE, SPLITS, save_progress, start_or_resume  # noqa: E402
-from data.shards import EOT_TOKEN, ShardError  # noqa: E402
-from data.sources import OPENWEBTEXT, open_source  # noqa: E402
-from data.writer import SplitWriter  # noqa: E402
-from errors import UserError, run_cli  # noqa: E402
+from data.bpe import gpt2_encoding
+from data.progress import PROGRESS_FILE, SPLITS, save_progress, start_or_resume
+from data.shards import EOT_TOKEN, ShardError
+from data.sources import OPENWEBTEXT, open_source
+from data.writer import SplitWriter
+from errors import UserError, run_cli
 
 CHECKPOINT_SECONDS = 60  # besides after every completed shard
 # Test hook: SIGKILL this process after that many chunks, a crash at a reproducible point.

@@ -1,15 +1,13 @@
-"""Test setup: repository root on sys.path, offline hubs, the Triton interpreter on CPU, threads.
+"""Test setup: offline hubs, the Triton interpreter on CPU, threads (pytest.ini puts the repository
+root on sys.path).
 
 TRITON_INTERPRET must be set before any @triton.jit function is decorated, so it is set
 here, at collection, and only when there is no CUDA device (library code never sets it).
 """
 import os
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")

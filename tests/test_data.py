@@ -172,8 +172,8 @@ def corpus(tmp_path_factory):
 
 
 def run_prepare(*argv, env=None):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), *map(str, argv)],
-                          capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "data.prepare", *map(str, argv)],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
 
 
 def local_argv(paths, out_dir, *extra):

@@ -237,9 +237,9 @@ def test_prepare_refuses_a_split_with_no_train_documents(tmp_path):
     src = tmp_path / "one.txt"
     src.write_text("A single short document.")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, os.path.join(root, "data", "prepare.py"), "--files", str(src),
+    result = subprocess.run([sys.executable, "-m", "data.prepare", "--files", str(src),
                              "--out-dir", str(tmp_path / "shards"), "--val-fraction", "0.999999", "--num-proc", "1"],
-                            capture_output=True, text=True, timeout=120, env=ENV)
+                            capture_output=True, text=True, timeout=120, env=ENV, cwd=root)
     assert "every document fell in the validation split" in result.stderr and result.returncode == 2
 
 

@@ -69,9 +69,10 @@ def test_report_of_two_runs_gives_the_table_and_a_figure(tmp_path):
 def test_report_cli_on_run_folders_and_its_mistakes(tmp_path):
     two_runs(tmp_path / "runs")
     fake_run(tmp_path / "killed", "all-dgram", [], None, started=3000)  # no summary.json
-    cli = [sys.executable, os.path.join(ROOT, "bench", "report.py")]
+    cli = [sys.executable, "-m", "bench.report"]
     result = subprocess.run([*cli, str(tmp_path / "runs" / "hetero"), str(tmp_path / "killed"),
-                             "--out", str(tmp_path / "cmp")], capture_output=True, text=True, timeout=120)
+                             "--out", str(tmp_path / "cmp")], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT)
     assert result.returncode == 0, result.stderr
     rows = table_rows(result.stdout)
     assert [r[0] for r in rows] == ["`hetero`", "`all-dgram`"]
@@ -80,7 +81,7 @@ def test_report_cli_on_run_folders_and_its_mistakes(tmp_path):
     for args, message in [([str(tmp_path / "cmp")], "holds no run"),
                           ([str(tmp_path / "runs"), str(tmp_path / "killed")], "--out"),
                           ([str(tmp_path / "nothing")], "is not a folder")]:
-        result = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+        result = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
 
 

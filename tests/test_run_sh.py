@@ -82,7 +82,7 @@ def test_assign_records_divergence_goes_on_and_keeps_finished_runs(jobs, data_di
 def test_quick_without_data_dir_offline_trains_on_the_bundled_sample(tmp_path):
     result = run_sh(tmp_path, "assign", "hetero", *TINY, DATA_ROOT=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "no network" in result.stdout and "data/prepare.py --files" in result.stdout
+    assert "no network" in result.stdout and "-m data.prepare --files" in result.stdout
     config = json.load(open(tmp_path / "runs" / "hetero" / "config.json"))
     assert config["data_dir"] == str(tmp_path / "data" / "sample_books") and config["vocab_size"] == 50304
 

@@ -239,22 +239,22 @@ def test_sweep_report_at_a_step_compares_that_evaluation(tmp_path):
     # step 3: no evaluation of the completed runs there
     assert rows(sweep_report.markdown(sweep_report.find_runs([str(tmp_path)]), "x.png", 3),
                 "| assignment | Muon lr")["hetero"][1] == "–; 2 of 2 unfinished"
-    cli = [sys.executable, os.path.join(ROOT, "bench", "sweep_report.py"), str(tmp_path)]
-    result = subprocess.run([*cli, "--at-step", "0"], capture_output=True, text=True, timeout=120)
+    cli = [sys.executable, "-m", "bench.sweep_report", str(tmp_path)]
+    result = subprocess.run([*cli, "--at-step", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2 and result.stderr.startswith("error: --at-step") and "Traceback" not in result.stderr
 
 
 def test_sweep_report_says_when_no_lr_qualifies_and_its_cli_mistakes(tmp_path):
     fake_run(tmp_path / "runs" / "hetero" / "lr0.1" / "seed1", "hetero", 0.1, 1, 3e4, "diverged")
-    cli = [sys.executable, os.path.join(ROOT, "bench", "sweep_report.py")]
+    cli = [sys.executable, "-m", "bench.sweep_report"]
     result = subprocess.run([*cli, str(tmp_path / "runs"), "--out", str(tmp_path / "out")],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "| `hetero` | none: no lr where every run completed |" in result.stdout
     assert "nothing to compare" in result.stdout and (tmp_path / "out" / "sweep.md").exists()
     (tmp_path / "empty").mkdir()
     for folder, message in [("empty", "holds no run"), ("missing", "is not a folder")]:
-        result = subprocess.run([*cli, str(tmp_path / folder)], capture_output=True, text=True, timeout=120)
+        result = subprocess.run([*cli, str(tmp_path / folder)], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
         assert "Traceback" not in result.stderr
 
