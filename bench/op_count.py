@@ -9,8 +9,10 @@ OpCounter is a TorchDispatchMode: it sees every aten op after autograd and the
 CompositeImplicit decompositions (torch.matmul arrives as mm / bmm, reshape as view or clone),
 and not the ops a kernel runs inside itself. It counts
   * kernels: every op but pure views / metadata and allocations (VIEW_OPS), which launch nothing;
-  * host syncs: aten::_local_scalar_dense (item(), bool(), float(), `if tensor:`) and
-    aten::is_nonzero;
+  * host syncs: the aten ops of manifolds.step_graph.HOST_READS (item(), bool(), float(),
+    `if tensor:`) and the Tensor methods that copy to the host without one (tolist(), numpy(),
+    cpu(), a blocking to("cpu"): manifolds.step_graph.HostReadMode), counted on CPU
+    tensors too, where they cost nothing, because on a GPU they wait for the device;
   * tensor literals from host data (aten::lift_fresh of a tensor with dimensions, e.g.
     W.new_tensor([...])): on CUDA a blocking host-to-device copy, which in torch waits for the
     stream (memcpy_and_sync); a 0-dim one (`t[i] = 2.0`) is a fill kernel there, counted as such;
@@ -38,7 +40,9 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from manifolds import step_graph
+from manifolds.step_graph import HOST_READS, HostReadMode
 
 # Views, metadata and allocations: no kernel runs (empty* allocate from the caching allocator).
 VIEW_OPS = frozenset((
@@ -49,7 +53,7 @@ VIEW_OPS = frozenset((
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "device", "size",
     "stride", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim",
 ))
-SYNC_OPS = frozenset(("_local_scalar_dense", "is_nonzero"))
+SYNC_OPS = frozenset(HOST_READS)
 LITERAL_OPS = frozenset(("lift_fresh", "lift_fresh_copy"))  # torch.tensor(data) / new_tensor(data): data from the host
 
 
@@ -199,14 +203,14 @@ def call_site(packages=("manifolds", "kernels")):
         frame = sys._getframe(2)
         while frame is not None:
             code = frame.f_code
-            if marker in code.co_filename:
+            if marker in code.co_filename and code.co_filename != step_graph.__file__:  # its host-read watcher
                 path = code.co_filename[code.co_filename.rindex(marker) + 1:]
                 return f"{path}:{frame.f_lineno} {code.co_name}"
             frame = frame.f_back
     return None
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(HostReadMode):
     """Counts aten ops (see the module docstring); `summary()` gives the totals.
     sites=True also sums product and linalg FLOPs, and host syncs, by call site (`call_site`)."""
 
@@ -233,6 +237,14 @@ class OpCounter(TorchDispatchMode):
         self._triton_dtype = None
         self._paused = 0
 
+    def host_read(self, name):
+        """One host sync: an op of SYNC_OPS or a Tensor method of step_graph.HOST_READ_METHODS."""
+        if self._paused:
+            return
+        self.syncs[name] += 1  # counted before it runs: under fake tensors it raises
+        if self.record_sites:
+            self.sync_sites[call_site()] += 1
+
     # -- hooks used by triton_attribution and simulated_collectives --------------------------
     @contextlib.contextmanager
     def paused(self):
@@ -251,9 +263,7 @@ class OpCounter(TorchDispatchMode):
 
     def _count(self, name, args, kwargs):
         if name in SYNC_OPS:
-            self.syncs[name] += 1  # counted before it runs: under fake tensors it raises
-            if self.record_sites:
-                self.sync_sites[call_site()] += 1
+            self.host_read(name)
             return
         if name in VIEW_OPS:
             return

@@ -22,27 +22,118 @@ recorded intermediates stay allocated (as a graph's memory pool does).
     ...                     # write new gradients / lr into the same tensors
     step.replay()           # the optimizer step of those, as a graph replay would compute it
 """
+import contextlib
+import functools
+import threading
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 # aten ops that read a device value on the host: a graph cannot record them
 HOST_READS = ("_local_scalar_dense", "is_nonzero", "item")
+# Tensor methods that bring device data to the host without one of those ops: on a CPU tensor
+# they dispatch nothing (or a detach), on CUDA `.cpu()` / `.to("cpu")` is a device-to-host copy
+# that waits for the stream and `.tolist()` / `.numpy()` read host memory. They are counted on
+# any device, since the code that calls them reads a device value wherever it runs on a GPU.
+HOST_READ_METHODS = ("tolist", "numpy", "cpu", "to")
+
+_watchers = []  # (thread id, on_read) of the open `watching_host_reads` contexts
+_unpatched = {}  # Tensor method name -> torch.Tensor's own entry (None: inherited), while watched
+_watchers_lock = threading.Lock()
+
+
+def _is_host_read(name, args, kwargs):
+    """Whether `tensor.<name>(*args, **kwargs)` copies to the host. A `.to` reads when it targets
+    the CPU and blocks: a non-blocking copy does not wait for the stream (per_matrix's copy of a
+    pinned host tensor to W's device is one), and `.to(other_tensor)` follows that tensor's
+    device, which on a GPU run is the device's."""
+    if name != "to":
+        return True
+    if args and torch.is_tensor(args[0]):
+        return False
+    device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return device is not None and device.type == "cpu" and not non_blocking
+
+
+def _watched(name, method):
+    @functools.wraps(method)
+    def watched(self, *args, **kwargs):
+        me = threading.get_ident()
+        for thread, on_read in list(_watchers):
+            if thread == me and _is_host_read(name, args, kwargs):
+                on_read(name)
+        return method(self, *args, **kwargs)
+    return watched
+
+
+@contextlib.contextmanager
+def watching_host_reads(on_read):
+    """While inside, each host read through a Tensor method of HOST_READ_METHODS on this thread
+    calls `on_read(method name)` before it runs (it may raise to refuse the read). The aten ops
+    of HOST_READS are a dispatch mode's to see: pair this with one. Other threads (a trainer's
+    prefetch thread) are not watched: a dispatch mode does not see them either."""
+    entry = (threading.get_ident(), on_read)
+    with _watchers_lock:
+        if not _watchers:
+            for name in HOST_READ_METHODS:
+                _unpatched[name] = vars(torch.Tensor).get(name)
+                setattr(torch.Tensor, name, _watched(name, getattr(torch.Tensor, name)))
+        _watchers.append(entry)
+    try:
+        yield
+    finally:
+        with _watchers_lock:
+            _watchers.remove(entry)
+            if not _watchers:
+                for name, method in _unpatched.items():
+                    if method is None:
+                        delattr(torch.Tensor, name)  # back to the C method it inherits
+                    else:
+                        setattr(torch.Tensor, name, method)
+                _unpatched.clear()
+
+
+class HostReadMode(TorchDispatchMode):
+    """A dispatch mode that sees every host read on its thread: while it is entered, the Tensor
+    methods of HOST_READ_METHODS call `self.host_read(method name)`, and a subclass's
+    __torch_dispatch__ calls `self.host_read(func)` for the ops where `reads_host(func)`."""
+
+    def host_read(self, what):
+        raise NotImplementedError
+
+    @staticmethod
+    def reads_host(func):
+        return func.overloadpacket.__name__ in HOST_READS
+
+    def __enter__(self):
+        self._host_reads = contextlib.ExitStack()
+        self._host_reads.enter_context(watching_host_reads(self.host_read))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._host_reads.close()
 
 
 class NotCapturable(RuntimeError):
     pass
 
 
-class Recorded(TorchDispatchMode):
+class Recorded(HostReadMode):
     def __init__(self):
         super().__init__()
         self.ops = []  # (func, args, kwargs, recorded outputs)
 
+    def host_read(self, what):
+        raise NotCapturable(f"{what} reads a device value on the host (a sync): a CUDA graph cannot record it")
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.overloadpacket.__name__ in HOST_READS:
-            raise NotCapturable(f"{func} reads a device value on the host (a sync): a CUDA graph cannot record it")
+        if self.reads_host(func):
+            self.host_read(func)
         out = func(*args, **kwargs)
         self.ops.append((func, args, kwargs, out))
         return out

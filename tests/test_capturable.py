@@ -1,25 +1,28 @@
 """ManifoldMuon(capturable=True): the GPU's sync-free control flow, run and counted on CPU."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from manifolds.step_graph import HOST_READS, NotCapturable, Recorded
+from manifolds.step_graph import HostReadMode, NotCapturable, Recorded
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
 from manifolds.dual import SolverOptions, solve_tall
 from manifolds.geometry import geometry
 from manifolds.optimum import optimum, quality, random_point
 
-# the aten ops a host read of a device value ends in (item, bool, float, tolist, if tensor:)
-SYNC_OPS = HOST_READS
 
+class HostSyncs(HostReadMode):
+    """Counts host reads of device values: the aten ops they end in (item, bool, float, if
+    tensor:) and the Tensor methods that read without one (tolist, numpy, cpu, to("cpu"))."""
 
-class HostSyncs(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = 0
 
+    def host_read(self, _):
+        self.count += 1
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket.__name__ in SYNC_OPS
+        if self.reads_host(func):
+            self.host_read(func)
         return func(*args, **(kwargs or {}))
 
 
@@ -284,11 +287,57 @@ def test_the_capturable_step_replays_like_a_cuda_graph_with_the_lr_in_a_tensor()
     assert max((a - b).abs().max() for a, b in zip(float_eager, float_replayed)) > 1e-3
 
 
-def test_graph_replay_emulation_refuses_a_host_sync():
+HOST_READS_OF_A_TENSOR = {
+    "bool": lambda X: bool(X.sum() > 0), "float": lambda X: float(X.sum()), "item": lambda X: X.sum().item(),
+    "index": lambda X: [0, 1, 2, 3][X.sum().long()], "tolist": lambda X: X.tolist(), "numpy": lambda X: X.numpy(),
+    "cpu": lambda X: X.cpu(), "to-cpu": lambda X: X.to("cpu"), "to-device-cpu": lambda X: X.to(device="cpu"),
+}
+
+
+@pytest.mark.parametrize("read", HOST_READS_OF_A_TENSOR.values(), ids=HOST_READS_OF_A_TENSOR.keys())
+def test_each_host_read_is_counted_once_and_the_graph_emulation_refuses_it(read):
+    # tolist / numpy / cpu / to("cpu") dispatch no aten op that reads (on a CPU tensor none at
+    # all); on CUDA each waits for the device, and a graph would freeze the value it read
+    from bench.op_count import OpCounter
     X = torch.ones(3)
+    with HostSyncs() as syncs:
+        read(X)
+    assert syncs.count == 1
+    with OpCounter() as counter:
+        read(X)
+    assert counter.sync_count == 1
     with pytest.raises(NotCapturable):
         with Recorded():
-            bool(X.sum() > 0)
+            read(X)
+    with HostSyncs() as syncs:  # device-side work, and copies that do not wait for the device
+        X.to(torch.float16), X.to(X), X.to("cpu", non_blocking=True), X.sum() > 0
+    assert syncs.count == 0
+    with HostSyncs() as syncs:
+        read(X)  # the methods are restored on exit and watched again on the next entry
+    assert syncs.count == 1 and not {"tolist", "numpy", "cpu", "to"} & set(vars(torch.Tensor))
+
+
+def test_a_tolist_moved_into_the_capturable_step_is_reported(monkeypatch):
+    # the same warm capturable step as above, with a host read slipped into the solver's masked
+    # update (a typical place for a "just check it" debugging line)
+    import manifolds.dual
+    masked_update = manifolds.dual.masked_update
+
+    def reading(active, old, new):
+        active.tolist()
+        return masked_update(active, old, new)
+
+    monkeypatch.setattr(manifolds.dual, "masked_update", reading)
+    assert run_steps(True, steps=2, count_last=True)[2] > 0
+    groups = hetero_bank()
+    opt = ManifoldMuon(groups, lr=0.05, capturable=True)
+    for group in groups:
+        for p in group["params"]:
+            p.grad = torch.randn(p.shape)
+    opt.step()
+    with pytest.raises(NotCapturable, match="tolist"):
+        with Recorded():
+            opt.step()
 
 
 def test_step_time_checks_its_graph_against_an_eager_step():
