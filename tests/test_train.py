@@ -1,5 +1,6 @@
 """End-to-end behaviour of train_gpt2.py on tiny synthetic data."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -56,8 +57,16 @@ def test_adamw_only_baseline_trains_every_matrix_with_adamw(data_dir, tmp_path):
     in_adamw = {id(p) for group in adamw.param_groups for p in group["params"]}
     assert in_adamw == {id(p) for p in model.parameters()}
     summary = train(data_dir, tmp_path, "--optimizer", "adamw", "--assign", "unconstrained", "--max-steps", "30",
-                    "--warmup-steps", "5", "--lr", "3e-3", "--eval-every", "30", "--eval-tokens", "1024")
-    assert summary["status"] == "completed" and summary["final_val_loss"] < 5.0
+                    "--warmup-steps", "5", "--lr", "3e-3", "--eval-every", "10", "--eval-tokens", "1024")
+    assert summary["status"] == "completed"
+    # The data's tokens are uniform in their marginal, so the untrained model (and any model that
+    # ignores the context) sits at ln 64 = 4.16; only the cycle t -> t+1 (90% of the steps,
+    # 0.73 nats) brings the loss lower. 30 AdamW steps reach 3.07 here.
+    untrained = next(r["train_loss"] for r in read_rows(tmp_path) if "train_loss" in r)
+    assert abs(untrained - math.log(64)) < 0.1
+    val = [r["val_loss"] for r in read_rows(tmp_path) if "val_loss" in r]
+    assert len(val) == 3 and val[0] > val[1] > val[2] == summary["final_val_loss"]
+    assert summary["final_val_loss"] < math.log(64) - 0.8, val
 
 
 def test_outputs_and_their_fields(data_dir, tmp_path):
