@@ -36,6 +36,11 @@ def _triton_products():
     return products_triton, None
 
 
+def triton_available():
+    """Can the fused kernels be imported here (the "auto" backend's choice on CUDA)?"""
+    return _triton_products()[0] is not None
+
+
 def check_backend(backend, device):
     """Raise BackendError unless `backend` can run tensors on `device` (torch.device or str)."""
     if backend not in BACKENDS:
@@ -61,7 +66,7 @@ def triton_selected(backend, *tensors):
         return False
     dtype = tensors[0].dtype
     if backend == "auto":  # CUDA without a usable Triton: the torch twins still run
-        return device.type == "cuda" and dtype in TRITON_DTYPES and _triton_products()[0] is not None
+        return device.type == "cuda" and dtype in TRITON_DTYPES and triton_available()
     if dtype not in TRITON_DTYPES:
         raise BackendError(f"kernel backend 'triton' takes {', '.join(map(str, TRITON_DTYPES))}, got {dtype}")
     return True

@@ -73,7 +73,7 @@ POLAR_SCHEDULE = (
     (1.870331174890, -1.240677636323, 0.370346462536),
 )
 # minimax_schedule(EXACT_LOWER, 7, SCHEDULE_SAFETY): square Stiefel's exact step
-# (manifolds/dual.exact_msign), whose skew(W^T G) keeps singular values down to ~1e-3 of its bound
+# (manifolds/dual.exact_square_stiefel), whose skew(W^T G) keeps singular values down to ~1e-3 of its bound
 # on real momenta; all 7 steps run at TF32 there (the last still lifts those below 1e-3); after
 # step k [0.001, 1] lies within 0.992, 0.965, 0.861, 0.55, 0.117, 1.1e-3, 2.9e-8 of 1
 EXACT_LOWER = 0.001
@@ -129,16 +129,6 @@ def minimax_schedule(lower, steps, safety=1.0):
         errors.append(error)
         l, u = 1 - error, (1 + error) * safety
     return schedule, errors
-
-
-def steps_for(schedule, low_precision):
-    """How many steps of CLIP_SCHEDULE to run (the clip's signs; the polar factor runs all of
-    POLAR_SCHEDULE's, dual.polar): all of them for fp32 products; all but the last for products
-    at TF32 or below (low_precision). TF32 operands carry ~5e-4
-    of relative rounding (2^-11), and the step before the last already lands within that of 1
-    (tests/test_kernels.py checks it): the last step, to ~1e-10, buys an accuracy such products
-    cannot deliver (bench/RESULTS.md, issue 15: direction quality unchanged without it)."""
-    return len(schedule) - 1 if low_precision else len(schedule)
 
 
 def normalized(X, ops):

@@ -8,7 +8,7 @@ and tail to recover fp32 accuracy). Inside `tf32_products()`:
 * the torch twin (products_torch) rounds its fp32 operands to TF32 (round to nearest even), on any
   device, so that a CPU run computes what TF32 tensor cores would, up to accumulation order.
   The hardware's conversion may truncate instead of rounding; the solver's direction quality
-  was measured both ways (bench/RESULTS.md, issue 15).
+  is the same either way (docs/solver-tuning.md).
 
 Accumulators and epilogue terms (the C of beta C + alpha B X) are not rounded: the kernels add
 them in fp32. The scope is explicit and nested-safe; nothing here touches torch's global
@@ -34,6 +34,8 @@ def tf32_products(enabled=True):
 
 
 def tf32_active():
+    """Do products read TF32 operands here? (The products' precision only: how many steps a
+    computation runs is decided by its caller's plan, never here.)"""
     return _depth > 0
 
 

@@ -12,14 +12,15 @@ applies to the unconstrained group only (a manifold fixes or frees the scale by 
 
 The unit of work is a *piece*: a whole parameter, or a block of its rows when its group
 gives `"blocks": [(row_lo, row_hi, manifold), ...]` (the fused QKV matrix as three q | k | v
-matrices, each on its own manifold). Pieces with the same manifold, shape and solver options
+matrices, each on its own manifold). Pieces with the same manifold, shape and group options
 form a *bank*, across groups, and are stacked into one batched computation; the learning
-rate and weight decay may differ inside a bank (they enter per matrix). Banks of the same
-solver options are solved in one call (dual.solve_tall_banks): the tall Stiefel and DGram
-banks of one column count as ONE batched ADMM in span coordinates, whatever their rows.
+rate and weight decay may differ inside a bank (they enter per matrix). All banks are solved in
+one call (dual.solve_tall_banks) under the optimizer's one SolverPlan (manifolds/plan.py),
+decided when the optimizer is built (`plan`): the tall Stiefel and DGram banks of one column
+count are ONE batched ADMM in span coordinates, whatever their rows.
 
 Under torch.distributed every piece is computed by one rank, its *owner*: the pieces are
-balanced over the ranks by an estimate of their cost (`piece_cost`, `balanced_owners`: longest
+balanced over the ranks by an estimate of their cost (work.piece_cost, `balanced_owners`: longest
 first onto the least loaded rank), the same on every rank without communication. A rank solves
 its pieces of a bank together, as one batched solve. The new weights are exchanged with one
 flat all-gather per step: each rank sends its pieces (fp32, flattened, padded to the largest
@@ -29,16 +30,16 @@ its owner, the momentum of a parameter on every rank that owns one of its pieces
 any world size.
 """
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from kernels.matrix_sign import CLIP_SCHEDULE
-from manifolds.dual import SolverOptions, choose_solver, iteration_precision, solve_tall_banks, use_eigh
+from manifolds.dual import solve_tall_banks
 from manifolds.geometry import MANIFOLDS, geometry
+from manifolds.plan import SolverOptions, plan_for
+from manifolds.work import piece_cost
 
-SOLVER_DEFAULTS = asdict(SolverOptions())
 # group options that may differ inside one bank: they enter the step per matrix
 PER_MATRIX = ("lr", "weight_decay")
 # per-bank statistics of a step (`stats`): iterations and residual are maxima over matrices and ranks,
@@ -98,63 +99,6 @@ def per_matrix(W, values):
     return host.to(W.device, non_blocking=True)[:, None, None]
 
 
-def solver_options(group):
-    return SolverOptions(**{k: group.get(k, v) for k, v in SOLVER_DEFAULTS.items()})
-
-
-def _msign_cost(p, q, steps):
-    # one polynomial step on the q x p orientation: S = X X^T, S^2, B X
-    return steps * (2 * p * q * q + q ** 3)
-
-
-def piece_cost(piece):
-    """Estimated cost of one warm step of a piece, in multiply-adds, from its shape, manifold and
-    solver options. Only the ratios between pieces matter (they balance the ranks); the terms
-    follow manifolds/dual.py and span.py, on the tall orientation p x q (p >= q):
-
-      none:          one msign (Polar Express + polish steps, ~2 p q^2 + q^3 each)
-      dual:          per evaluation G + 2 W Lambda, msign, the residual and its update (~3 p q^2);
-                     square Stiefel is exact in one evaluation, otherwise dual_steps + 1
-      admm:          admm_steps iterations (twice that for p < 2q) of a tangent projection and a
-                     spectral clip on the n x q problem: n = 2q in span[W, G] for p >= 2q (the
-                     projection is then O(q^2)), else n = p; the clip is an eigh of the q x q Gram
-                     (~10 q^3 + 2 n q^2) on CPU, two msigns on GPU. The span reduction adds its
-                     Gram K of [W, G] (4 p q^2) and the lift (2 p q^2)
-      every manifold: the final projection and spectral norm (3 p q^2 + 5 q^3; the span's answer
-                     is lifted tangent, so only the norm's p q^2 + 5 q^3), the retraction
-                     (3 Newton-Schulz steps)
-
-    dgram-cap is costed as dgram (its active-set rounds run only with columns at the cap), and
-    early exits on convergence are ignored. Integers, so that ties are exact on every rank.
-    """
-    rows, cols = piece.hi - piece.lo, piece.param.size(1)
-    p, q = max(rows, cols), min(rows, cols)
-    opts = solver_options(piece.group)
-    polar_steps = opts.msign_steps + opts.polish_steps
-    if piece.manifold == "none":
-        return _msign_cost(p, q, polar_steps)
-    retraction = 5 * q ** 3 + _msign_cost(p, q, 3)
-    common = 3 * p * q * q + retraction
-    solver = choose_solver((p, q), piece.manifold) if opts.solver == "auto" else opts.solver
-    if solver == "dual":
-        evaluations = 1 if piece.manifold == "stiefel" and p == q else opts.dual_steps + 1
-        per_evaluation = 3 * p * q * q + q ** 3 + _msign_cost(p, q, polar_steps)
-        # + Lambda0 and the final Newton-Schulz polish of A
-        return evaluations * per_evaluation + 2 * p * q * q + _msign_cost(p, q, 2) + common
-    iterations = opts.admm_steps * (2 if p < 2 * q else 1)
-    reduced = opts.reduce and p >= 2 * q
-    n = 2 * q if reduced else p
-    projection = 2 * q * q if reduced else 2 * p * q * q
-    if use_eigh(opts, piece.param):
-        clip = 2 * n * q * q + 10 * q ** 3
-    else:
-        clip_steps = len(CLIP_SCHEDULE) if opts.clip_msign == "minimax" else polar_steps
-        clip = 2 * _msign_cost(n, q, clip_steps) + 2 * n * q * q
-    if reduced:  # K and the lift (6 p q^2); the lifted answer needs no projection, only its norm
-        return iterations * (projection + clip) + 6 * p * q * q + p * q * q + retraction
-    return iterations * (projection + clip) + common
-
-
 def balanced_owners(costs, world_size):
     """The rank that computes each of these pieces (costs in the optimizer's piece order):
     longest processing time first, each piece onto the least loaded rank (ties: the lowest
@@ -170,14 +114,18 @@ def balanced_owners(costs, world_size):
 
 
 class ManifoldMuon(torch.optim.Optimizer):
+    """Group options: lr, momentum, nesterov, weight_decay, manifold (or blocks), dgram_cap (the
+    column-norm cap of "dgram-cap"). Solver options (SolverOptions fields) are the optimizer's,
+    resolved once into `plan` for the parameters' device."""
+
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
-                 manifold="none", shard=True, **solver_opts):
-        unknown = set(solver_opts) - set(SOLVER_DEFAULTS)
-        if unknown:
-            raise TypeError(f"unknown options {sorted(unknown)}; solver options: {sorted(SOLVER_DEFAULTS)}")
+                 manifold="none", dgram_cap=1.0, shard=True, **solver_opts):
+        self.options = SolverOptions.from_kwargs(**solver_opts)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                        manifold=manifold, blocks=None, **{**SOLVER_DEFAULTS, **solver_opts})
+                        manifold=manifold, blocks=None, dgram_cap=dgram_cap)
         super().__init__(params, defaults)
+        first = next((p for group in self.param_groups for p in group["params"]), None)
+        self.plan = plan_for(self.options, first.device if first is not None else "cpu")
         distributed = shard and dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
@@ -214,7 +162,7 @@ class ManifoldMuon(torch.optim.Optimizer):
     def banks(self):
         """(key, [pieces]) for each set of pieces solved together, in a fixed order: same
         manifold, tall shape (a p x q and a q x p matrix are one bank: mlp.c_fc and mlp.c_proj)
-        and solver options (their groups may differ in lr and weight decay)."""
+        and group options (their groups may differ in lr and weight decay)."""
         by_key = OrderedDict()
         for piece in self.pieces():
             options = tuple((k, v) for k, v in sorted(piece.group.items())
@@ -227,7 +175,7 @@ class ManifoldMuon(torch.optim.Optimizer):
     def owners(self):
         """{piece.key: rank} for every piece: the rank that computes its step (balanced_owners)."""
         pieces = list(self.pieces())
-        owners = balanced_owners([piece_cost(piece) for piece in pieces], self.world_size)
+        owners = balanced_owners([piece_cost(piece, self.plan) for piece in pieces], self.world_size)
         return {piece.key: rank for piece, rank in zip(pieces, owners)}
 
     def owned_pieces(self):
@@ -267,8 +215,8 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.last_stats = {}
         owners = self.owners() if self.world_size > 1 else None
         active = []  # (name, pieces) of the banks stepped
-        work = OrderedDict()  # solver options -> [(name, this rank's pieces of the bank)]
-        for key, pieces in self.banks():
+        work = []  # (name, this rank's pieces of the bank), in bank order: the order the exchange packs
+        for _, pieces in self.banks():
             if any(piece.param.grad is None for piece in pieces):
                 if all(piece.param.grad is None for piece in pieces):
                     continue
@@ -277,13 +225,9 @@ class ManifoldMuon(torch.optim.Optimizer):
             active.append((name, pieces))
             mine = pieces if self.world_size == 1 else [piece for piece in pieces if owners[piece.key] == self.rank]
             if mine:
-                work.setdefault(key[-1], []).append((len(active), name, mine))
-        momenta = self._momenta([piece for banks in work.values() for _, _, pieces in banks for piece in pieces])
-        # banks of the same solver options are solved together (the tall ADMM ones as one batch);
-        # `computed` stays in bank order, the order the exchange packs
-        computed = sorted((index, done) for banks in work.values()
-                          for (index, _, _), done in zip(banks, self._step_banks([b[1:] for b in banks], momenta)))
-        computed = [done for _, done in computed]
+                work.append((name, mine))
+        momenta = self._momenta([piece for _, pieces in work for piece in pieces])
+        computed = self._step_banks(work, momenta) if work else []
         if self.world_size == 1:
             for pieces, new_W in computed:
                 self._write(pieces, new_W)
@@ -361,14 +305,17 @@ class ManifoldMuon(torch.optim.Optimizer):
         return momenta
 
     def _step_banks(self, banks, momenta):
-        """[(pieces, new weights stacked in their orientation)] for banks [(name, pieces)] of the
-        same solver options (all of each bank's pieces, or this rank's): one solve_tall_banks."""
-        opts = solver_options(banks[0][1][0].group)
+        """[(pieces, new weights stacked in their orientation)] for banks [(name, pieces)] (all of
+        each bank's pieces, or this rank's): one solve_tall_banks under the plan."""
         inputs = [self._bank_inputs(pieces, momenta) for _, pieces in banks]
-        solutions = solve_tall_banks([(W, G, pieces[0].manifold, state)
-                                      for (W, G, state), (_, pieces) in zip(inputs, banks)], opts)
-        return [(pieces, self._finish_bank(pieces, name, W, solution, opts))
+        solutions = solve_tall_banks([(W, G, self._geometry(pieces), state)
+                                      for (W, G, state), (_, pieces) in zip(inputs, banks)], self.plan)
+        return [(pieces, self._finish_bank(pieces, name, W, solution))
                 for (W, _, _), (name, pieces), solution in zip(inputs, banks, solutions)]
+
+    @staticmethod
+    def _geometry(pieces):
+        return geometry(pieces[0].manifold, pieces[0].group.get("dgram_cap", 1.0))
 
     def _bank_inputs(self, pieces, momenta):
         """(W, G, warm start) of same-shape pieces, stacked, on the tall orientation."""
@@ -379,7 +326,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         warm = [self.state[piece.param].get(piece.dual_key) for piece in pieces]
         return W, G, torch.stack(warm) if all(w is not None for w in warm) else None
 
-    def _finish_bank(self, pieces, name, W, solution, opts):
+    def _finish_bank(self, pieces, name, W, solution):
         """[new weight of each piece] (its own orientation) from their solution; keeps the warm start."""
         manifold = pieces[0].manifold
         eta = per_matrix(W, [piece.group["lr"] for piece in pieces])
@@ -388,9 +335,8 @@ class ManifoldMuon(torch.optim.Optimizer):
             new_W = W * (1 - eta * decay) - eta * solution.A
         else:
             # the retraction's Gram stays fp32; where the iterations run at TF32 so do its small corrections
-            new_W = geometry(manifold, opts.dgram_cap).retract(
-                W - eta * solution.A, near=True, backend=opts.backend,
-                tf32_correction=iteration_precision(opts, W) == "tf32")
+            new_W = self._geometry(pieces).retract(W - eta * solution.A, near=True, backend=self.plan.backend,
+                                                   tf32_correction=self.plan.tf32)
             self._keep_warm_starts(pieces, solution.state)
         # tensors, not floats: reading them would sync the device every bank
         self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max(),

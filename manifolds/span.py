@@ -9,7 +9,7 @@ X = Q x every quantity the solvers use is the same in the coordinates x:
     W^T X = R_W^T x,  X^T X = x^T x,  ||X||_F = ||x||_F,  W M = Q (R_W M)
 
 with R_W = R[:, :q] (its Gram R_W^T R_W = W^T W, so it is on the manifold exactly when W
-is; on it R_W = [D; 0], see SpanReduction), R_G = R[:, q:]. The problem (W, G) is the
+is; on it R_W = [D; 0], see StackedSpans), R_G = R[:, q:]. The problem (W, G) is the
 problem (R_W, R_G), 2q x q: the iterations cost O(q^3) whatever p is, and the row count enters only through K = V^T V = R^T R (its
 blocks W^T G and G^T G) and the final lift A = Q x = V (R^(-1) x), both products of the kernels.
 
@@ -17,8 +17,9 @@ Precision: R comes from the Cholesky factor of K in fp32. When G is nearly rank-
 or nearly inside span[W], V is nearly singular and the lift needs huge coefficients
 c = R^(-1) x; V c then carries a rounding error of about eps ||c|| ||K||^(1/2) against ||V c||
 (the solve's error in c lies along R's small directions, which V = Q R shrinks back).
-`lift` reports, per matrix, whether that error is below 1e-3 of the signal; the caller solves
-such a bank on the full matrices instead (seen in training: an attention matrix at lr 0.2).
+`lift` reports, per matrix, whether that error is below 1e-3 of the signal, and lifts the
+Euclidean tangent projection of G instead where it is not (seen in training: an attention
+matrix at lr 0.2).
 """
 import torch
 
@@ -44,9 +45,9 @@ class StackedSpans:
     is 2q x q whatever p_i, and Stiefel and DGram problems differ only in the Gram projector's
     diagonal (geometry.MaskedGram) and in d2: one batch, each product one launch for all.
     Off the manifold by rounding (W^T W = D^2 + O(eps)) the reduced problem differs from the
-    original by as much: the lifted answer is tangent at W to about that (5e-7 relative on
-    recorded training weights, against 1e-8 after a projection on the full matrices, which
-    admm_in_span no longer pays for), and the retraction absorbs it.
+    original by as much: the lifted answer is tangent at W to about that (relative ~1e-6; a
+    projection on the full matrices would cost two products at p rows), and the retraction
+    absorbs it.
     `valid` is False for matrices whose Schur complement has no Cholesky factor in this
     precision (G nearly inside span[W]).
     """
@@ -122,36 +123,23 @@ class StackedSpans:
         eye = torch.eye(q, dtype=M.dtype, device=M.device) / self.scale
         return torch.cat([-M, eye], dim=-2)
 
-    def lift(self, x, fallback=False):
+    def lift(self, x):
         """[(X = V c with R c = x, precise)] bank by bank: the full p_i x q matrices of the
-        coordinates x, and whether each is accurate to about three digits (per matrix).
-        fallback=True: an imprecise matrix gets Proj_T(G) instead (tangent_coefficients), in the
-        same product, so the choice costs no host sync and no product of its own."""
+        coordinates x, and whether each is accurate to about three digits (per matrix). An
+        imprecise matrix gets Proj_T(G) instead (tangent_coefficients), in the same product:
+        the choice costs no host sync and no product of its own."""
         q = self.d.size(-1)
         c_G = torch.linalg.solve_triangular(self.R22, x[..., q:, :], upper=True)
         c_W = (x[..., :q, :] - self.R12 @ c_G) / self.d.unsqueeze(-1)
         c = torch.cat([c_W, c_G], dim=-2)
         eps = torch.finfo(c.dtype).eps
+        # relative error ~ eps sqrt(growth): the solve's error lies along R's small directions,
+        # which V = Q R shrinks back
         growth = c.square().sum(dim=(-2, -1)) * self.K_norm / x.square().sum(dim=(-2, -1)).clamp_min(1e-30)
-        # relative error ~ eps sqrt(growth). (Until issue 15's training check this was eps * growth,
-        # the Gram's error bound squared: it flagged the accurate answers of real gradients, whose
-        # ||c|| is large along directions G nearly annihilates, and sent them to the fallback.)
         precise = self.valid & torch.isfinite(growth) & (growth.sqrt() * eps <= LIFT_TOLERANCE)
-        if fallback:
-            c = torch.where(precise[..., None, None], c, self.tangent_coefficients())
+        c = torch.where(precise[..., None, None], c, self.tangent_coefficients())
         return [(kernels.matmul(V, c_i, backend=self.backend), ok)
                 for V, c_i, ok in zip(self.V, self.split(c), self.split(precise))]
-
-
-class SpanReduction(StackedSpans):
-    """The span reduction of one bank (W, G: (n, p, q))."""
-
-    def __init__(self, W, G, geo, d2):
-        super().__init__([(W, G, geo, d2)])
-
-    def lift(self, x):
-        """(X, precise) of the bank (StackedSpans.lift)."""
-        return super().lift(x)[0]
 
 
 def top_eigenvalue(S, iters, backend="torch", squarings=5):

@@ -1,0 +1,143 @@
+"""What the solver runs, decided once, before the first step.
+
+`SolverOptions` are the settings a user or an experiment may change (the trainer's
+`--solver-opt KEY=VALUE`); "auto" leaves a choice to the device. `SolverPlan` is those settings
+resolved for one device and dtype when the optimizer is built: the kernels, the spectral clip,
+the precision of the iterations and of their matrix signs, the sync-free mode and every
+schedule length. The step reads the plan and passes what it uses to each call; nothing deeper
+looks at a tensor's device or at a global to decide what runs. The trainer prints the plan in
+its first lines and records it in config.json under "solver".
+
+How each default was chosen, with its evidence: docs/solver-tuning.md.
+"""
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+import kernels
+from kernels.matrix_sign import CLIP_SCHEDULE, EXACT_SCHEDULE, POLAR_SCHEDULE
+
+CLIPS = ("auto", "eigh", "polynomial")
+PRECISIONS = ("auto", "fp32", "tf32", "bf16")
+CAPTURABLE = ("auto", True, False)
+
+# Fixed budgets (not settings: no experiment moves them)
+MUON_STEPS = (5, 2)  # plain Muon's msign: Polar Express steps, then Newton-Schulz polish steps
+NORM_ITERS = 8       # power steps (on S^32) of the final spectral renormalisation
+CHECK_EVERY = 2      # ADMM iterations between convergence checks (host syncs) when not capturable
+RHO_MAX = 10.0       # the warm penalty's growth stops here (relative to ||Proj_T G||_op)
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    iterations: int = 3        # ADMM iterations from a warm start; x2 cold, x2 again for rows < 2 cols
+    pullbacks: int = 2         # rounds of B <- Proj_T(pull_back(B)) on ADMM's answer
+    rho: float = 0.5           # ADMM penalty from a cold start, relative to ||Proj_T G||_op
+    rho_warm: float = 0.07     # ... from the previous step's multiplier
+    rho_growth: float = 1.5    # the warm penalty's factor per iteration (1 = constant)
+    warm_average: float = 0.5  # share of the incoming warm start kept in the next one, in [0, 1)
+    relax: float = 1.7         # over-relaxation of B (1 = plain ADMM)
+    tol: float = 1e-4          # stop when the relative primal and dual residuals are below it
+    precision: str = "auto"    # ADMM's iterations: fp32, tf32 or bf16; auto: tf32 on fp32 CUDA, else fp32
+    clip: str = "auto"         # spectral clip: eigh (of the q x q Gram) or polynomial; auto: eigh on CPU
+    capturable: object = "auto"  # no host syncs (fixed budgets); auto: on CUDA
+    backend: str = "auto"      # kernels: triton, torch, or auto (triton on CUDA)
+
+    def __post_init__(self):
+        if self.clip not in CLIPS:
+            raise ValueError(f"unknown clip {self.clip!r}; valid: {', '.join(CLIPS)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown solver precision {self.precision!r}; valid: {', '.join(PRECISIONS)}")
+        if self.capturable not in CAPTURABLE or not isinstance(self.capturable, (bool, str)):
+            raise ValueError(f"capturable must be True, False or 'auto'; got {self.capturable!r}")
+        if self.backend not in kernels.BACKENDS:
+            raise ValueError(f"unknown kernel backend {self.backend!r}; valid: {', '.join(kernels.BACKENDS)}")
+        if self.iterations < 1 or self.pullbacks < 0:
+            raise ValueError(f"iterations must be >= 1 and pullbacks >= 0; got {self.iterations}, {self.pullbacks}")
+        if not 0 <= self.warm_average < 1:
+            raise ValueError(f"warm_average must lie in [0, 1); got {self.warm_average}")
+        if min(self.rho, self.rho_warm, self.rho_growth, self.relax, self.tol) <= 0:
+            raise ValueError("rho, rho_warm, rho_growth, relax and tol must be positive")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs):
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise TypeError(f"unknown solver options {unknown}; valid: {names}")
+        return cls(**kwargs)
+
+
+SOLVER_FIELDS = tuple(f.name for f in fields(SolverOptions))
+
+
+@dataclass(frozen=True)
+class SolverPlan:
+    """SolverOptions resolved for one device and dtype (`plan_for`): what every step runs."""
+    options: SolverOptions
+    device: str          # "cpu", "cuda", ...
+    backend: str         # "triton" or "torch": every product of the step
+    clip: str            # "eigh" or "polynomial": ADMM's polar start, spectral clip and pullbacks
+    precision: str       # "fp32", "tf32" or "bf16": the products of ADMM's iterations in span coordinates
+    sign_dtype: str      # dtype of ADMM's polynomial matrix signs ("bfloat16" below fp32 iterations)
+    capturable: bool     # no host syncs: fixed budgets, decisions on the device
+    clip_steps: int      # CLIP_SCHEDULE steps of the clip's and pullbacks' signs (one fewer below fp32:
+                         # the last reaches an accuracy such products cannot hold)
+    polar_steps: int     # POLAR_SCHEDULE steps of ADMM's starting polar factor (all, at every precision)
+    exact_sign: tuple    # square Stiefel's msign: ("minimax", 7) at TF32, else ("polar-express", 5 + 2)
+
+    @property
+    def tf32(self):
+        return self.precision == "tf32"
+
+    @property
+    def sign_torch_dtype(self):
+        return getattr(torch, self.sign_dtype)
+
+    def as_dict(self):
+        """A JSON-able record (config.json's "solver")."""
+        record = asdict(self)
+        record["options"] = asdict(self.options)
+        record["exact_sign"] = list(self.exact_sign)
+        record["fixed"] = {"muon_steps": list(MUON_STEPS), "norm_iters": NORM_ITERS, "check_every": CHECK_EVERY,
+                           "rho_max": RHO_MAX}
+        return record
+
+    def summary(self):
+        """One line for a run's log."""
+        o = self.options
+        sign = "" if self.clip == "eigh" else f", signs {self.sign_dtype} (clip {self.clip_steps} steps, polar {self.polar_steps})"
+        return (f"solver on {self.device}: kernels {self.backend}, clip {self.clip}, iterations {self.precision}{sign}, "
+                f"square stiefel exact ({self.exact_sign[0]} {self.exact_sign[1]}), "
+                f"capturable {'on' if self.capturable else 'off'}; ADMM {o.iterations} warm / {2 * o.iterations} cold "
+                f"(x2 near-square), pullbacks {o.pullbacks}, rho {o.rho} / {o.rho_warm} x{o.rho_growth}, "
+                f"relax {o.relax}, warm average {o.warm_average}, tol {o.tol:g}")
+
+
+def plan_for(options, device, dtype=torch.float32):
+    """Resolve `options` for tensors of `device` and `dtype` (the weights the step updates)."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    kernels.check_backend(options.backend, device)
+    if options.backend == "auto":
+        backend = "triton" if cuda and dtype in kernels.TRITON_DTYPES and kernels.triton_available() else "torch"
+    else:
+        backend = options.backend
+    if options.clip == "auto":
+        # eigh of the q x q Gram costs a few q^3 and is exact; on a GPU its sequential algorithm is
+        # the slower one, and the Triton kernels run the polynomial
+        clip = "eigh" if device.type == "cpu" and backend != "triton" else "polynomial"
+    else:
+        clip = options.clip
+    if options.precision == "auto":
+        precision = ("tf32" if cuda and dtype == torch.float32
+                     else "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32")
+    else:
+        precision = options.precision
+    full = precision == "fp32" and dtype == torch.float32
+    capturable = cuda if options.capturable == "auto" else options.capturable
+    exact_sign = ("minimax", len(EXACT_SCHEDULE)) if precision == "tf32" else ("polar-express", sum(MUON_STEPS))
+    return SolverPlan(options=options, device=device.type, backend=backend, clip=clip, precision=precision,
+                      sign_dtype="float32" if full else "bfloat16", capturable=bool(capturable),
+                      clip_steps=len(CLIP_SCHEDULE) - (0 if full else 1), polar_steps=len(POLAR_SCHEDULE),
+                      exact_sign=exact_sign)

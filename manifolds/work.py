@@ -1,0 +1,53 @@
+"""What one optimizer step computes for one matrix, term by term, in multiply-adds.
+
+`matrix_work` is the one description of the solver's work: rank balancing
+(optimizer.balanced_owners, through `piece_cost`) splits the pieces by its total, and the
+benchmarks' FLOP model (bench/optimizer.py) sums it over a model's matrices. Only its ratios
+between matrices have to be right for the balancing; bench/cost_model.py counts the real ops of
+a step, which is what a GPU estimate uses.
+
+Terms follow manifolds/dual.py on the tall orientation p x q (p >= q); one polynomial matrix-sign
+step on the q x p orientation is S = X X^T, S^2, B X: 2 p q^2 + q^3. Early exits on convergence
+are ignored (a warm step of the sync-free mode runs its whole budget). dgram-cap is costed as
+dgram: its active-set rounds run only with columns at the cap. Integers, so that ties in the
+balancing are exact on every rank.
+"""
+from kernels.matrix_sign import CLIP_SCHEDULE
+from manifolds.plan import MUON_STEPS
+
+
+def sign_work(rows, q, steps):
+    return steps * (2 * rows * q * q + q ** 3)
+
+
+def matrix_work(manifold, p, q, plan):
+    """{term: multiply-adds} of one warm step of a p x q matrix (p >= q) on `manifold`."""
+    muon_steps = sum(MUON_STEPS)
+    if manifold == "none":
+        return {"msign": sign_work(p, q, muon_steps)}
+    retraction = sign_work(p, q, 3)  # three Newton-Schulz steps
+    if manifold == "stiefel" and p == q:
+        return {"multiplier": 3 * p * q * q + q ** 3, "msign": sign_work(p, q, muon_steps),
+                "polish": 2 * p * q * q + sign_work(p, q, 2), "projection and norm": 3 * p * q * q + 5 * q ** 3,
+                "retraction": retraction}
+    iterations = plan.options.iterations * (2 if p < 2 * q else 1)
+    reduced = p >= 2 * q  # ADMM in span[W, G]: its iterations on 2q x q problems
+    n = 2 * q if reduced else p
+    projection = 2 * q * q if reduced else 2 * p * q * q
+    if plan.clip == "eigh":
+        clip = 2 * n * q * q + 10 * q ** 3
+    else:
+        clip = 2 * sign_work(n, q, len(CLIP_SCHEDULE)) + 2 * n * q * q
+    work = {"iterations": iterations * (projection + clip)}
+    if reduced:  # K = V^T V and the lift (6 p q^2); the lifted answer needs only its norm
+        work.update({"reduction and lift": 6 * p * q * q, "norm": p * q * q + 5 * q ** 3})
+    else:
+        work["projection and norm"] = 3 * p * q * q + 5 * q ** 3
+    work["retraction"] = retraction
+    return work
+
+
+def piece_cost(piece, plan):
+    """Estimated cost of one warm step of an optimizer piece (total of matrix_work)."""
+    rows, cols = piece.hi - piece.lo, piece.param.size(1)
+    return sum(matrix_work(piece.manifold, max(rows, cols), min(rows, cols), plan).values())
