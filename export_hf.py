@@ -16,7 +16,7 @@ What maps to what (our GPT -> GPT2LMHeadModel):
   - the head is tied to the token embedding, as in HF's GPT-2 (tie_word_embeddings).
   - vocabulary: the first 50257 embedding rows, the tokens of the BPE. Our --vocab-size pads to
     50304 for matmul speed; rows 50257.. are no token, the tokenizer cannot decode them, and
-    sample.py and bench/hellaswag.py treat their logits as -inf: cutting them gives the same
+    sample.py and tools/hellaswag.py treat their logits as -inf: cutting them gives the same
     softmax over real tokens, and HF's generate cannot pick an id the tokenizer lacks.
   - n_positions = --seq-len (learned positions: no longer context exists), eps 1e-5, no dropout.
 The tokenizer files are built from the tiktoken GPT-2 ranks, offline (data/bpe.py); after

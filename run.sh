@@ -13,14 +13,14 @@
 #                                          (default 0.02 0.05 0.1) and seed (default 1 2 3), quick setting,
 #                                          in $RUNS_DIR/<spec>/lr<A>/seed<S>; then $RUNS_DIR/sweep.{md,png}:
 #                                          mean ± sd per cell, each at its best lr, Welch and paired t-tests
-#                                          (bench/sweep_report.py). The sweep sets --muon-lr and --seed
+#                                          (tools/sweep_report.py). The sweep sets --muon-lr and --seed
 #                                          per run (--seeds sets --seed): the train flags must not
 #   --jobs N (quick, paper, assign, sweep; or JOBS=N)
 #                                          up to N runs at a time, each one's output in its folder's
 #                                          train.log (N = 1: one after the other, output here). Default:
 #                                          paper 1; quick on CPU min(runs, cores, available memory / 1.5 GB),
 #                                          with OMP_NUM_THREADS = cores / N per run unless set; on a GPU 1
-#   bash run.sh report FOLDER...           the table and figure of existing run folders (bench/report.py)
+#   bash run.sh report FOLDER...           the table and figure of existing run folders (tools/report.py)
 #   bash run.sh setup                      create .venv (if missing) and install requirements.txt
 #   bash run.sh demo [train flags...]      a tiny hetero run on the bundled sample text (~30 s)
 # Train flags go to every run and override the defaults (later flags win). Runs that diverge are
@@ -348,11 +348,11 @@ except (OSError, ValueError, KeyError):
     print("none")' "$1"
 }
 
-# The report of $RUNS_DIR: a sweep's statistics (bench/sweep_report.py), else the table of runs.
+# The report of $RUNS_DIR: a sweep's statistics (tools/sweep_report.py), else the table of runs.
 report() {
     echo "== report"
-    if [ "$command" = sweep ]; then "$VENV/bin/python" -m bench.sweep_report "$RUNS_DIR"
-    else "$VENV/bin/python" -m bench.report "$RUNS_DIR"; fi
+    if [ "$command" = sweep ]; then "$VENV/bin/python" -m tools.sweep_report "$RUNS_DIR"
+    else "$VENV/bin/python" -m tools.report "$RUNS_DIR"; fi
 }
 
 # Takes --jobs N / --jobs=N out of the arguments (into JOBS_N; JOBS=N in the environment is the
@@ -468,6 +468,6 @@ case "$command" in
         [ ${#SEEDS[@]} -gt 0 ] || SEEDS=("${SWEEP_SEEDS[@]}")
         FLAGS=("$@"); ablation "$setting" ;;
     report) [ $# -gt 0 ] || die "bash run.sh report FOLDER..."
-            setup; "$VENV/bin/python" -m bench.report "$@" ;;
+            setup; "$VENV/bin/python" -m tools.report "$@" ;;
     *) echo "usage: bash run.sh {quick|paper|assign|sweep|report|setup|demo} [...] (see the top of run.sh)" >&2; exit 2 ;;
 esac

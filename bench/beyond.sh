@@ -13,11 +13,11 @@ PY=${VENV:-.venv}/bin/python
 SPECS=(hetero hetero-qk all-dgram "attn=dgram-cap,mlp=dgram" auto)
 mkdir -p "$OUT"
 if [ ! -f "$OUT/data/prepare_progress.json" ]; then
-    $PY -m bench.split_text "$CORPUS"/*.txt --out "$OUT/books.jsonl"
+    $PY -m data.split_text "$CORPUS"/*.txt --out "$OUT/books.jsonl"
     $PY -m data.prepare --files "$OUT/books.jsonl" --out-dir "$OUT/data" --val-fraction 0.1 --num-proc 1
 fi
 for seed in $SEEDS; do
     RUNS_DIR="$OUT/seed$seed" SKIP_SETUP=1 bash run.sh assign "${SPECS[@]}" --data-dir "$OUT/data" \
         --muon-lr "$MUON_LR" --seed "$seed" --device cpu "$@"
 done
-$PY -m bench.report "$OUT"/seed* --out "$OUT"
+$PY -m tools.report "$OUT"/seed* --out "$OUT"

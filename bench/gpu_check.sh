@@ -18,7 +18,7 @@
 #   optimizer   45  bench/optimizer.py: published algorithm vs ours, GPT-2 small banks, bf16
 #   train      155  train_gpt2.py: 200 steps of compiled bf16 GPT-2 small, hetero, the trainer's
 #                   default batch (64 x 1024 tokens per step), on learnable synthetic tokens
-#                   (bench/make_synthetic_shards.py --mode pattern, written in the background)
+#                   (data/make_synthetic_shards.py --mode pattern, written in the background)
 #
 # Everything goes to $OUT as soon as it exists; at most 7 files (the device tool returns 8):
 #   gpu_check.log        everything printed, the header included
@@ -109,7 +109,7 @@ else
 fi
 
 # the training data, written on the CPU while the GPU steps run
-"$PYTHON" -m bench.make_synthetic_shards "$WORK/shards" --tokens "$SHARD_TOKENS" --mode pattern \
+"$PYTHON" -m data.make_synthetic_shards "$WORK/shards" --tokens "$SHARD_TOKENS" --mode pattern \
     > "$WORK/shards.log" 2>&1 &
 shards=$!
 

@@ -17,7 +17,7 @@ OUT=${OUT:-runs/solver-guard}
 PY=${VENV:-.venv}/bin/python
 mkdir -p "$OUT"
 if [ ! -f "$OUT/data/prepare_progress.json" ]; then
-    $PY -m bench.split_text "$CORPUS"/*.txt --out "$OUT/books.jsonl"
+    $PY -m data.split_text "$CORPUS"/*.txt --out "$OUT/books.jsonl"
     $PY -m data.prepare --files "$OUT/books.jsonl" --out-dir "$OUT/data" --val-fraction 0.1 --num-proc 1
 fi
 declare -A SOLVER=([default]="" [iters20]="--admm-steps 20 --dual-steps 20 --admm-pullbacks 0"
@@ -43,7 +43,7 @@ for setting in $SETTINGS; do
                 ${SOLVER[$setting]} "$@"
         done
     done
-    $PY -m bench.report "$OUT/$setting"/seed* --out "$OUT/$setting"
+    $PY -m tools.report "$OUT/$setting"/seed* --out "$OUT/$setting"
 done
 # The figure compares the default against iters20; an OUT holding other settings only (a commit's
 # gpu runs, compared with the iters20 figures in bench/RESULTS.md) has nothing to plot

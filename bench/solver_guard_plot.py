@@ -7,7 +7,7 @@ import argparse
 import glob
 import os
 
-from bench.report import Run
+from tools.report import Run
 from errors import UserError, run_cli
 
 SETTINGS = ("default", "iters20")

@@ -29,7 +29,7 @@ for config in $CONFIGS; do
 done
 mkdir -p "$OUT"
 if [ ! -f "$OUT/data/prepare_progress.json" ]; then
-    $PY -m bench.split_text "$CORPUS"/*.txt --out "$OUT/books.jsonl"
+    $PY -m data.split_text "$CORPUS"/*.txt --out "$OUT/books.jsonl"
     $PY -m data.prepare --files "$OUT/books.jsonl" --out-dir "$OUT/data" --val-fraction 0.1 --num-proc 1
 fi
 # one line per run, seed-major (a stopped sweep has every config at its first seeds)
@@ -48,4 +48,4 @@ plan | xargs -P "$JOBS" -L 1 bash -c '
     # shellcheck disable=SC2086
     OMP_NUM_THREADS=1 $PY train_gpt2.py $QUICK --muon-lr "$MUON_LR" --data-dir "$OUT/data" --out-dir "$dir" \
         --overwrite --device cpu --wandb off "$@" > "$dir/train.log" 2>&1 || echo "== $dir: status $?"'
-$PY -m bench.report "$OUT"/*/seed* --out "$OUT"
+$PY -m tools.report "$OUT"/*/seed* --out "$OUT"

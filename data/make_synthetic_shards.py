@@ -1,6 +1,6 @@
 """Synthetic token shards for smoke runs where no corpus is at hand (a GPU check, say).
 
-    python -m bench.make_synthetic_shards OUT_DIR [--tokens N] [--mode random|pattern]
+    python -m data.make_synthetic_shards OUT_DIR [--tokens N] [--mode random|pattern]
 
 random:  uniform GPT-2 token ids. Nothing to learn: the loss stays near ln(50257) = 10.8.
 pattern: a noisy cycle over the GPT-2 vocabulary, learnable in a few hundred steps: the next

@@ -2,8 +2,8 @@
 JSONL for `data/prepare.py --files` (a handful of books would otherwise be a handful of
 documents, too few for a train/val split by documents).
 
-    python -m bench.split_text ../shared/corpus/*.txt --out data/books.jsonl
-    python -m bench.split_text alice29.txt asyoulik.txt plrabn12.txt --chars 1500 --max-chars 3000 \
+    python -m data.split_text ../shared/corpus/*.txt --out data/books.jsonl
+    python -m data.split_text alice29.txt asyoulik.txt plrabn12.txt --chars 1500 --max-chars 3000 \
         --out data/sample/books.jsonl      # the bundled sample (data/sample/README.md)
 """
 import argparse

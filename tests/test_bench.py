@@ -120,7 +120,7 @@ def test_kernels_bench_rows_on_cpu_interpreter(tmp_path, monkeypatch, snapshots)
 
 
 def test_pattern_shards_are_a_noisy_cycle(tmp_path):
-    from bench.make_synthetic_shards import VOCAB, cycle_tokens, main
+    from data.make_synthetic_shards import VOCAB, cycle_tokens, main
     tokens = cycle_tokens(200_000, VOCAB, seed=0, jump=0.1)
     assert tokens.min() >= 0 and tokens.max() < VOCAB
     steps = (tokens[1:] - tokens[:-1]) % VOCAB

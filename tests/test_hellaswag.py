@@ -1,11 +1,11 @@
-"""bench/hellaswag.py: acc and acc_norm on a 5-item fixture, by hand and against a per-token reference."""
+"""tools/hellaswag.py: acc and acc_norm on a 5-item fixture, by hand and against a per-token reference."""
 import json
 import os
 
 import pytest
 import torch
 
-from bench import hellaswag
+from tools import hellaswag
 from data.bpe import gpt2_encoding
 from errors import UserError, run_cli
 from tiny_gpt import tiny_model, write_checkpoint

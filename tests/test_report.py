@@ -1,10 +1,10 @@
-"""bench/report.py: the ablation table and figure from run folders."""
+"""tools/report.py: the ablation table and figure from run folders."""
 import json
 import os
 import subprocess
 import sys
 
-from bench import report
+from tools import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,7 +69,7 @@ def test_report_of_two_runs_gives_the_table_and_a_figure(tmp_path):
 def test_report_cli_on_run_folders_and_its_mistakes(tmp_path):
     two_runs(tmp_path / "runs")
     fake_run(tmp_path / "killed", "all-dgram", [], None, started=3000)  # no summary.json
-    cli = [sys.executable, "-m", "bench.report"]
+    cli = [sys.executable, "-m", "tools.report"]
     result = subprocess.run([*cli, str(tmp_path / "runs" / "hetero"), str(tmp_path / "killed"),
                              "--out", str(tmp_path / "cmp")], capture_output=True, text=True, timeout=120,
                             cwd=ROOT)

@@ -1,4 +1,4 @@
-"""run.sh sweep and --seeds, bench/sweep_report.py, and the statistics under it (bench/welch.py)."""
+"""run.sh sweep and --seeds, tools/sweep_report.py, and the statistics under it (tools/stats.py)."""
 import json
 import math
 import os
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from bench import sweep_report
-from bench.welch import Paired, Welch, betainc, t_cdf, t_quantile, t_two_sided_p
+from tools import sweep_report
+from tools.stats import Paired, Welch, betainc, t_cdf, t_quantile, t_two_sided_p
 from test_run_sh import TINY, data_dir, run_sh  # noqa: F401 (data_dir: the fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -239,14 +239,14 @@ def test_sweep_report_at_a_step_compares_that_evaluation(tmp_path):
     # step 3: no evaluation of the completed runs there
     assert rows(sweep_report.markdown(sweep_report.find_runs([str(tmp_path)]), "x.png", 3),
                 "| assignment | Muon lr")["hetero"][1] == "–; 2 of 2 unfinished"
-    cli = [sys.executable, "-m", "bench.sweep_report", str(tmp_path)]
+    cli = [sys.executable, "-m", "tools.sweep_report", str(tmp_path)]
     result = subprocess.run([*cli, "--at-step", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2 and result.stderr.startswith("error: --at-step") and "Traceback" not in result.stderr
 
 
 def test_sweep_report_says_when_no_lr_qualifies_and_its_cli_mistakes(tmp_path):
     fake_run(tmp_path / "runs" / "hetero" / "lr0.1" / "seed1", "hetero", 0.1, 1, 3e4, "diverged")
-    cli = [sys.executable, "-m", "bench.sweep_report"]
+    cli = [sys.executable, "-m", "tools.sweep_report"]
     result = subprocess.run([*cli, str(tmp_path / "runs"), "--out", str(tmp_path / "out")],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
@@ -289,7 +289,7 @@ def test_assign_with_seeds_makes_a_folder_per_seed(data_dir, tmp_path):  # noqa:
         assert f"== [{i}/2] hetero (seed {seed}): completed" in result.stdout
         config = json.load(open(tmp_path / "runs" / "hetero" / f"seed{seed}" / "config.json"))
         assert config["seed"] == seed and config["muon_lr"] == 0.05  # quick's
-    # bench/report.py finds them two levels down and groups the seeds
+    # tools/report.py finds them two levels down and groups the seeds
     text = (tmp_path / "runs" / "report.md").read_text()
     assert "| `hetero` | 2 |" in text and "`hetero (seed1)`" in text and "`hetero (seed2)`" in text
 

@@ -1,4 +1,4 @@
-"""Tiny GPT-2-vocabulary checkpoints for the tests of sample.py, export_hf.py and bench/hellaswag.py.
+"""Tiny GPT-2-vocabulary checkpoints for the tests of sample.py, export_hf.py and tools/hellaswag.py.
 
 A checkpoint payload as the trainer writes it, for what those tools read: "format", "step",
 "model" (the state dict) and "args" (the trainer's own parsed flags). The weights are drawn so

@@ -1,7 +1,7 @@
 """HellaSwag accuracy of a checkpoint: which of 4 endings the model finds most likely.
 
-    python -m bench.hellaswag --out-dir runs/hetero --json runs/hetero/hellaswag.json
-    python -m bench.hellaswag --checkpoint ckpt.pt --jsonl hellaswag_val.jsonl --limit 1000
+    python -m tools.hellaswag --out-dir runs/hetero --json runs/hetero/hellaswag.json
+    python -m tools.hellaswag --checkpoint ckpt.pt --jsonl hellaswag_val.jsonl --limit 1000
 
 Data: the hub dataset `Rowan/hellaswag` (validation: 10,042 items) through `datasets`, or with
 --jsonl a local file in HellaSwag's format, one item per line: `ctx` (or `ctx_a` and `ctx_b`),

@@ -1,7 +1,7 @@
 """Table and figure of an ablation: one row and one curve per training run.
 
-    python -m bench.report runs/quick-20250101-120000          # a folder of run folders
-    python -m bench.report runs/a/hetero runs/b/hetero --out cmp  # any run folders
+    python -m tools.report runs/quick-20250101-120000          # a folder of run folders
+    python -m tools.report runs/a/hetero runs/b/hetero --out cmp  # any run folders
 
 A run folder is what train_gpt2.py writes (config.json, metrics.jsonl, summary.json); a folder
 without metrics.jsonl is searched below for run folders (e.g. run.sh's <spec>/seed<S>). Runs are

@@ -1,8 +1,8 @@
 """Statistics of a learning-rate x seed sweep (bash run.sh sweep): is the ordering of the assignments real?
 
-    python -m bench.sweep_report runs/sweep-20250101-120000
-    python -m bench.sweep_report runs/sweep-20250101-120000 --out elsewhere
-    python -m bench.sweep_report runs/long-1000 --at-step 200 --out runs/long-1000/at-200
+    python -m tools.sweep_report runs/sweep-20250101-120000
+    python -m tools.sweep_report runs/sweep-20250101-120000 --out elsewhere
+    python -m tools.sweep_report runs/long-1000 --at-step 200 --out runs/long-1000/at-200
 
 By default each run counts by its final val loss; --at-step N compares the val loss of the evaluation
 at step N instead (runs that reached it, not diverged by then), e.g. how an ordering evolves over a
@@ -10,14 +10,14 @@ long run. The files are then named sweep-at-N.md / .png.
 
 RUNS_DIR is searched for run folders (what train_gpt2.py writes; run.sh sweep puts them in
 <spec>/lr<lr>/seed<seed>). Each run is keyed by its config.json: the assignment (with its attention
-stabilizers, as in bench/report.py), muon_lr and seed. Writes sweep.md (and prints it) and sweep.png:
+stabilizers, as in tools/report.py), muon_lr and seed. Writes sweep.md (and prints it) and sweep.png:
 
 - the grid: per assignment and Muon lr, the final val loss mean ± sd (n) over the runs that
   completed; runs that diverged (also those that diverged and went on, --on-diverge continue)
   or did not finish are counted beside it, never averaged in;
 - each assignment at its best lr: the lowest mean among the lrs where every run completed;
 - pairwise Welch t-tests of the assignments at their best lrs: difference of means, t, the
-  Welch–Satterthwaite df, the two-sided p-value and a 95% confidence interval (bench/welch.py);
+  Welch–Satterthwaite df, the two-sided p-value and a 95% confidence interval (tools/stats.py);
 - the same pairs paired by seed (runs of one seed share initialisation and data order): the
   paired t-test of the per-seed differences over the seeds both completed.
 """
@@ -26,8 +26,8 @@ import math
 import os
 import statistics
 
-from bench.report import find_runs
-from bench.welch import Paired, Welch
+from tools.report import find_runs
+from tools.stats import Paired, Welch
 from errors import UserError, run_cli
 
 LEVEL = 0.95  # of the confidence intervals

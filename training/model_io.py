@@ -3,7 +3,7 @@
 Checkpoints of every assignment and world size hold the same thing under "model": rank 0 writes
 the plain module's state dict (not DDP's or torch.compile's wrapper), with the fused QKV matrix
 whatever the assignment split for the optimizer. The shape comes from the training flags saved
-under "args". sample.py, export_hf.py and bench/hellaswag.py read checkpoints through here.
+under "args". sample.py, export_hf.py and tools/hellaswag.py read checkpoints through here.
 
 Vocabulary: the embedding has --vocab-size rows (50304 = GPT-2's 50257 padded to a multiple of
 64 for fast matmuls). Rows 50257.. are no token of the BPE: they are never a target in training
