@@ -47,11 +47,12 @@ def test_two_ranks_match_one_rank_with_accumulation(assign, tmp_path):
     losses2 = [r["train_loss"] for r in two if "train_loss" in r]
     losses1 = [r["train_loss"] for r in one if "train_loss" in r]
     assert len(losses1) == len(losses2) == 8
-    for a, b in zip(losses1, losses2):
+    for a, b in zip(losses1, losses2, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (losses1, losses2)
-    val2 = [r["val_loss"] for r in two if "val_loss" in r]
-    val1 = [r["val_loss"] for r in one if "val_loss" in r]
-    for a, b in zip(val1, val2):
+    val2 = [(r["step"], r["val_loss"]) for r in two if "val_loss" in r]
+    val1 = [(r["step"], r["val_loss"]) for r in one if "val_loss" in r]
+    assert [s for s, _ in val1] == [s for s, _ in val2] == [4, 8]  # --eval-every 4 of 8 steps
+    for (_, a), (_, b) in zip(val1, val2, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a)
     assert s2["world_size"] == 2 and s1["world_size"] == 1
     assert s2["replica_max_abs_diff"] == 0.0
