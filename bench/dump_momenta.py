@@ -7,7 +7,7 @@
 Runs train_gpt2.py in this process (the flags after `--`, plus an out-dir of its own under
 /tmp unless given) and, at the optimizer steps listed, saves what ManifoldMuon hands its solver:
 every bank's W and G on the tall orientation and its manifold, as
-{"steps": [step, ...], "banks": [[(name, manifold, W, G), ...] per step]}. Windows of
+{"steps": [step, ...], "banks": [[(name, manifold, W, G), ...] per step], "dgram_cap": C}. Windows of
 consecutive steps let a reader replay the warm starts as training runs them:
 bench/warm_sweep.py --momenta FILE measures the direction quality of the solver settings on
 them against the float64 optimum. Synthetic momenta (bench/optimizer.momentum_like) miss what
@@ -40,17 +40,19 @@ def main(argv=None):
     ap.add_argument("--steps", nargs="+", required=True, help="optimizer steps (1-based) or ranges A-B to record")
     args = ap.parse_args(ours)
     wanted = parse_steps(args.steps)
-    record = {"steps": [], "banks": []}
+    record = {"steps": [], "banks": [], "dgram_cap": 1.0}
     solve = optimizer_module.solve_tall_banks
     calls = [0]
 
-    def recording(banks, opts=None):
-        calls[0] += 1  # the trainer's Muon groups share their solver options: one call per step
+    def recording(banks, plan):
+        calls[0] += 1  # the optimizer solves all its banks under one plan: one call per step
         if calls[0] in wanted:
             record["steps"].append(calls[0])
-            record["banks"].append([(f"bank{i}", manifold, W.detach().clone(), G.detach().clone())
-                                    for i, (W, G, manifold, _) in enumerate(banks)])
-        return solve(banks, opts)
+            record["banks"].append([(f"bank{i}", geo.name, W.detach().clone(), G.detach().clone())
+                                    for i, (W, G, geo, _) in enumerate(banks)])
+            record["dgram_cap"] = next((geo.cap for _, _, geo, _ in banks if geo.name == "dgram-cap"),
+                                       record["dgram_cap"])
+        return solve(banks, plan)
 
     optimizer_module.solve_tall_banks = recording
     if "--out-dir" not in train_argv:

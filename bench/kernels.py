@@ -7,10 +7,11 @@ Banks are the stacked same-shape Muon matrices of GPT-2 small (12 layers):
 attn.c_proj 12 x 768x768, attn.c_attn 12 x 768x2304, mlp 24 x 768x3072 (c_fc and c_proj).
 
     msign        Polar Express + Newton-Schulz on the wide orientation; both backends run the same
-                 coefficients and iteration count (the optimizer's 5 + 2 unless changed)
+                 coefficients and iteration count (plain Muon's, manifolds.plan.MUON_STEPS, unless changed)
     project      ADMM's tangent projection A - W P(W^T A + A^T W) / (d_i^2 + d_j^2) (tall W, A)
-    dual         one dual-ascent step's Gram-space work: H = P(W^T A + A^T W) with ||H||_F^2,
-                 then Lambda - step P(sym(H M)) / (2 (d_i^2 + d_j^2))
+    dual         the Gram-space kernels: H = P(W^T A + A^T W) with ||H||_F^2, then
+                 Lambda - step P(sym(H M)) / (2 (d_i^2 + d_j^2)) (kernels.dual_update; the solver
+                 no longer runs dual ascent, the kernel stays for its tests)
 
 DGram (the diagonal projection and the division included; Stiefel does a subset). Each case
 is timed twice after a warm-up call (compilation and autotuning excluded): "eager", launched
@@ -29,6 +30,7 @@ import torch
 import kernels
 from bench.results import Results
 from kernels.matrix_sign import NEWTON_SCHULZ, polar_express_coefficients
+from manifolds.plan import MUON_STEPS
 
 BANKS = {"attn.c_proj": (12, 768, 768), "attn.c_attn": (12, 768, 2304), "mlp": (24, 768, 3072)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -42,8 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     p.add_argument("--banks", default=",".join(BANKS), help=f"comma-separated subset of {','.join(BANKS)}")
     p.add_argument("--dtypes", default="bf16,fp32", help="comma-separated subset of bf16,fp32")
-    p.add_argument("--steps", type=int, default=5, help="Polar Express iterations per msign")
-    p.add_argument("--polish-steps", type=int, default=2, help="Newton-Schulz iterations per msign")
+    p.add_argument("--steps", type=int, default=MUON_STEPS[0], help="Polar Express iterations per msign")
+    p.add_argument("--polish-steps", type=int, default=MUON_STEPS[1], help="Newton-Schulz iterations per msign")
     p.add_argument("--rep-ms", type=int, default=100, help="measuring time per case and mode")
     p.add_argument("--out", default=None, help="write the rows as JSON here (rewritten after each row)")
     return p.parse_args(argv)

@@ -10,7 +10,7 @@ step of
       every dual step, Stiefel retraction by msign, DGram by polar factor x sorted singular values);
   (b) `ours`: ManifoldMuon with its defaults (banked, warm-started from the previous steps;
       on a CPU the ADMM's matrix functions come from eigh, on a GPU from Polar Express);
-  (c) `ours-20`: ManifoldMuon with the paper's iteration count (20 dual / ADMM steps),
+  (c) `ours-20`: ManifoldMuon with the paper's iteration count (20 ADMM iterations),
 all on the same weights and gradients, in the same precision, in the same process, and prints
 time ratios. Gradients are "momentum-like": a power-law spectrum (s_i ~ 1/i, as the momentum of
 real GPT-2 gradients shows: largest / median singular value ~ 100) plus noise, drifting slowly
@@ -18,7 +18,8 @@ from step to step. With --quality it also measures, for one matrix per bank, the
 quality <G/|G|, A>/||A||_op as a fraction of a certified float64 optimum (manifolds/optimum.py)
 of the last step (ours: warm-started along the gradient sequence, as timed, and cold), the
 tangent residual and the manifold violation after the step. A FLOP model of both algorithms
-for GPT-2 small is printed too.
+for GPT-2 small is printed too (`flop_model`: ours from manifolds/work.py, the description of
+the work that rank balancing splits by; the published algorithm's from bench/published.py).
 """
 import argparse
 import json
@@ -28,12 +29,13 @@ import time
 import torch
 
 from bench.results import Results
-from bench.published import PUBLISHED, published_direction, published_step
+from bench.published import PUBLISHED, published_direction, published_flops, published_step
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
-from kernels.matrix_sign import CLIP_SCHEDULE, POLAR_SCHEDULE
-from manifolds.dual import SolverOptions, solve_tall
 from manifolds.assignment import parse_assignment
-from manifolds.geometry import MANIFOLDS
+from manifolds.dual import solve_tall
+from manifolds.geometry import MANIFOLDS, geometry
+from manifolds.plan import SolverOptions, plan_for
+from manifolds.work import matrix_work
 
 
 def muon_shapes(n_embd, n_layer):
@@ -80,10 +82,10 @@ def sync(device):
 
 # (name, cold, solver options): each row adds one lever to the row before; the last is the default
 LEVERS = (
-    ("ADMM on p x q, Polar Express clip, cold (2 x the warm budget)", True, dict(reduce=False, clip="polynomial")),
-    ("+ tall banks as the 2q x q problem in span[W, G]", True, dict(clip="polynomial")),
+    ("ADMM in span[W, G] (2q x q), polynomial clip, cold (2 x the warm budget)", True, dict(clip="polynomial")),
     ("+ eigh clip", True, dict(clip="eigh")),
-    ("+ warm start from the last multiplier, the default budget (4)", False, dict(clip="eigh")),
+    (f"+ warm start from the last multiplier, the default budget ({SolverOptions().iterations})", False,
+     dict(clip="eigh")),
 )
 
 
@@ -130,10 +132,10 @@ def time_ours(banks, args, device, cold=False, **solver):
 def warm_direction(W, Gs, manifold, **solver):
     """The direction of the last of a sequence of steps at W, each warm-started from the one
     before (what the optimizer does every step but the first), on the tall orientation."""
-    opts = SolverOptions(**solver)
+    plan = plan_for(SolverOptions(**solver), W.device, W.dtype)
     state = None
     for G in Gs:
-        solution = solve_tall(W[None], G[None], manifold, state, opts)
+        solution = solve_tall(W[None], G[None], geometry(manifold), state, plan)
         state = solution.state
     return solution.A[0]
 
@@ -161,7 +163,7 @@ def quality_report(banks, args):
             "published": published_direction(tall_W.float(), tall_G.float(), bank["manifold"], **PUBLISHED)[0],
             "ours": warm_direction(tall_W.float(), Gs, bank["manifold"]),
             "ours-cold": steepest_direction(tall_W.float(), tall_G.float(), bank["manifold"]),
-            "ours-20": warm_direction(tall_W.float(), Gs, bank["manifold"], dual_steps=20, admm_steps=20),
+            "ours-20": warm_direction(tall_W.float(), Gs, bank["manifold"], iterations=20),
         }
         for name, A in candidates.items():
             A = A.double()
@@ -172,70 +174,21 @@ def quality_report(banks, args):
     return rows
 
 
-def msign_flops(p, q, iters):
-    """One matrix sign of a p x q matrix (p >= q) by `iters` quintic steps on the q x q Gram."""
-    return iters * (4 * p * q * q + 2 * q ** 3)
-
-
-EIGH_FLOPS = 9  # x q^3: symmetric eigendecomposition with eigenvectors (Golub & Van Loan's count)
-
-
-def clip_flops(q, clip, msign_iters=len(CLIP_SCHEDULE)):
-    """One spectral clip of a 2q x q matrix Y (the reduced problem); its two matrix signs take
-    the minimax schedule's 5 steps (dual.clip_msign; 4 under TF32 products)."""
-    if clip == "eigh":  # Y^T Y, eigh, Q f Q^T, Y h
-        return 4 * q ** 3 + EIGH_FLOPS * q ** 3 + 2 * q ** 3 + 4 * q ** 3
-    # msign(Y), sym(O^T Y), msign of the q x q E, O (...)
-    return msign_flops(2 * q, q, msign_iters) + 4 * q ** 3 + msign_iters * 6 * q ** 3 + 4 * q ** 3
-
-
-def pullback_flops(q, clip, msign_iters=len(CLIP_SCHEDULE)):
-    """One pullback round on the 2q x q answer (dual.pull_back): the exact clip under eigh; else
-    B^T B, the q x q sign of B^T B - I, |E| and the product with B (the projection is O(q^2))."""
-    if clip == "eigh":
-        return clip_flops(q, clip)
-    return 4 * q ** 3 + msign_iters * 6 * q ** 3 + 2 * q ** 3 + 4 * q ** 3
-
-
-def flop_model(n_embd, n_layer, assignment, ours_iterations, clip="eigh", msign_iters=7,
-               polar_iters=len(POLAR_SCHEDULE), pullbacks=SolverOptions().admm_pullbacks):
-    """FLOPs (2 per multiply-add, symmetric products counted in full) of the constrained
-    matrices' direction + retraction per step, warm-started (every step but the first).
-
-    published: 22 msign x 10 Polar-Express iterations per matrix (20 dual steps, the final
-    direction, the retraction), plus the dual steps' products.
-    ours, p x q tall (p >= 2q), the 2q x q reduced problem of manifolds/span.py:
-      K = V^T V (8 p q^2), Schur complement and Cholesky (~2.3 q^3), ||Proj_T G||_op
-      (14 q^3), warm start (4 q^3 + a polar factor of polar_iters steps), per ADMM iteration one spectral clip
-      (`clip_flops`; the tangent projection at [D; 0] is O(q^2)), `pullbacks` rounds on the
-      answer (`pullback_flops`), the multiplier and residual (8 q^3), the lift V c
-      (4 p q^2 + 3 q^3), the exact final projection and spectral normalisation
-      (6 p q^2 + 10 q^3), the retraction (3 Newton-Schulz steps, 12 p q^2);
-    ours, square Stiefel: one dual evaluation (2 p q^2 + msign + residual), a 2-step polish,
-      the final projection and the retraction;
-    ours, other shapes (near-square, not reduced): ADMM on p x q with the polynomial clip.
-    """
-    published = ours = 0
+def flop_model(n_embd, n_layer, assignment, plan):
+    """(published FLOPs, {term: our FLOPs}) of the constrained matrices' direction and retraction
+    in one warm-started step (every step but the first) of a GPT-2 of this shape: ours the sum of
+    manifolds.work.matrix_work over its matrices under `plan` (x 2: FLOPs per multiply-add), the
+    one description of the work that rank balancing splits by; the published algorithm's from
+    bench/published.py. Unconstrained matrices are left out of both (plain Muon either way)."""
+    published, ours = 0, {}
     for key, (rows, cols) in muon_shapes(n_embd, n_layer).items():
         manifold = assignment[key]
         if manifold == "none":
             continue
         p, q = max(rows, cols), min(rows, cols)
-        published += n_layer * ((PUBLISHED["dual_steps"] + 2) * msign_flops(p, q, PUBLISHED["msign_iters"])
-                                + 2 * PUBLISHED["dual_steps"] * 6 * p * q * q)
-        iterations = ours_iterations.get(key, 6)
-        finish = 6 * p * q * q + 10 * q ** 3 + 12 * p * q * q  # final projection, ||A||_op, retraction
-        if manifold == "stiefel" and p == q:
-            solve = 2 * p * q * q + msign_flops(p, q, msign_iters) + 2 * q ** 3 + 8 * q ** 3
-        elif p >= 2 * q:
-            start = clip_flops(q, clip) if clip == "eigh" else msign_flops(2 * q, q, polar_iters)  # the polar factor
-            solve = (8 * p * q * q + 2.3 * q ** 3 + 14 * q ** 3 + 4 * q ** 3 + start
-                     + iterations * clip_flops(q, clip) + pullbacks * pullback_flops(q, clip)
-                     + 8 * q ** 3 + 4 * p * q * q + 3 * q ** 3)
-        else:
-            per_iteration = msign_flops(p, q, msign_iters) + msign_flops(q, q, msign_iters) + 12 * p * q * q
-            solve = 2 * iterations * per_iteration + pullbacks * (msign_flops(q, q, msign_iters) + 12 * p * q * q)
-        ours += n_layer * (solve + finish)
+        published += n_layer * published_flops(p, q)
+        for term, work in matrix_work(manifold, p, q, plan).items():
+            ours[term] = ours.get(term, 0) + 2 * n_layer * work
     return published, ours
 
 
@@ -284,7 +237,7 @@ def main(argv=None):
     out.put("violation_after_steps", value={
         name: {key: max(manifold_violation(w, assignment[key]) for w in ws) for key, ws in weights.items()}
         for name, weights in (("published", w_pub), ("ours", w_ours))})
-    t_20, _, _ = time_ours(banks, args, device, dual_steps=20, admm_steps=20, clip=args.clip)
+    t_20, _, _ = time_ours(banks, args, device, iterations=20, clip=args.clip)
     record("ours-20", t_20)
     if args.levers:  # the optimizer's levers added one at a time, timed against the published step
         for name, cold, solver in LEVERS:
@@ -292,11 +245,15 @@ def main(argv=None):
             out.put("levers", name, value={"seconds_per_step": med(t), "speedup_vs_published": med(t_pub) / med(t)})
             print(f"  lever: {name:55s} {1000 * med(t):9.1f} ms/step  ({med(t_pub) / med(t):5.2f}x vs published)",
                   flush=True)
-    iterations = {name.split("/")[0]: s["iterations"] for name, s in stats.items()}
-    pub_flops, our_flops = flop_model(768, 12, assignment, iterations, "eigh")
-    _, poly_flops = flop_model(768, 12, assignment, iterations, "polynomial")
+    # the clips a CPU and a GPU run by default (auto), on a GPU with TF32 iterations
+    pub_flops, eigh_terms = flop_model(768, 12, assignment, plan_for(SolverOptions(clip="eigh"), "cpu"))
+    _, poly_terms = flop_model(768, 12, assignment,
+                               plan_for(SolverOptions(clip="polynomial", precision="tf32"), "cpu"))
+    our_flops, poly_flops = sum(eigh_terms.values()), sum(poly_terms.values())
     out.put("gpt2_small_flops_per_step", value={"published": pub_flops, "ours (eigh clip)": our_flops,
                                                 "ours (polynomial clip)": poly_flops,
+                                                "ours by term (eigh clip)": eigh_terms,
+                                                "ours by term (polynomial clip)": poly_terms,
                                                 "ratio (eigh)": pub_flops / max(our_flops, 1),
                                                 "ratio (polynomial)": pub_flops / max(poly_flops, 1)})
     print(f"  manifold violation after the steps: {json.dumps(results['violation_after_steps'])}")

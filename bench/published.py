@@ -19,6 +19,16 @@ from manifolds.geometry import MANIFOLDS
 PUBLISHED = dict(dual_steps=20, dual_lr=0.1, msign_iters=10, tol=1e-6)
 
 
+def published_flops(p, q, dual_steps=PUBLISHED["dual_steps"], msign_iters=PUBLISHED["msign_iters"]):
+    """FLOPs (2 per multiply-add, symmetric products counted in full) of one published step of a
+    p x q matrix (p >= q), every dual step run: dual_steps + 2 matrix signs (the dual steps, the
+    final direction, the retraction), each msign_iters quintic steps on the q x q Gram
+    (4 p q^2 + 2 q^3 each), and per dual step the products of G + 2 W Lambda and
+    P(W^T A + A^T W) (6 p q^2 x 2). DGram's svdvals are not counted."""
+    msign = msign_iters * (4 * p * q * q + 2 * q ** 3)
+    return (dual_steps + 2) * msign + 2 * dual_steps * 6 * p * q * q
+
+
 def msign(X, steps):
     """The published matrix sign: X / (1.02 ||X||_F), then `steps` Polar Express steps (the
     fifth repeating; no polish) on the wide orientation, in X's dtype."""

@@ -3,8 +3,6 @@
     OMP_NUM_THREADS=1 python -m bench.warm_sweep
     OMP_NUM_THREADS=1 python -m bench.warm_sweep --penalties 0.1 --iterations 4 --clip polynomial \
         --precision fp32 tf32 bf16         (the inner iterations' precision, as a GPU runs them)
-    OMP_NUM_THREADS=1 python -m bench.warm_sweep --penalties 0.1 --iterations 4 --clip polynomial \
-        --precision tf32 --clip-msign minimax polar-express   (the clip's matrix signs)
     OMP_NUM_THREADS=1 python -m bench.warm_sweep --penalties 0.1 --growth 1 2 --iterations 4 \
         --clip polynomial --precision tf32 --momenta runs/momenta-hetero-256-long.pt   (a growing penalty)
     python -m bench.warm_sweep --penalties 0.07 --iterations 3 --clip polynomial --precision tf32 \
@@ -29,29 +27,36 @@ import torch
 
 from bench.optimizer import momentum_like
 from manifolds import project_to_manifold
-from manifolds.dual import SolverOptions, solve_tall, solve_tall_banks
+from manifolds.dual import solve_tall, solve_tall_banks
+from manifolds.geometry import geometry
 from manifolds.optimum import optimum, quality
+from manifolds.plan import SolverOptions, plan_for
+
+# tol of the sweep's solves: positive (SolverOptions requires it) yet below any relative change an
+# iteration makes, so that no matrix stops early and every row runs its whole budget
+NO_EARLY_EXIT = 1e-30
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--penalties", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5])
-    ap.add_argument("--relax", type=float, nargs="+", default=[SolverOptions().admm_relax],
-                    help="ADMM's over-relaxation (SolverOptions.admm_relax), each a row")
-    ap.add_argument("--growth", type=float, nargs="+", default=[SolverOptions().admm_rho_growth],
-                    help="the warm penalty's growth per iteration (SolverOptions.admm_rho_growth), each a row")
-    ap.add_argument("--warm-average", type=float, nargs="+", default=[SolverOptions().admm_warm_average],
-                    help="the share of the previous warm start kept in the next (SolverOptions."
-                         "admm_warm_average), each a row")
-    ap.add_argument("--pullbacks", type=int, nargs="+", default=[SolverOptions().admm_pullbacks],
-                    help="rounds of Proj_T(pull_back(.)) on ADMM's answer (SolverOptions.admm_pullbacks), each a row")
-    ap.add_argument("--iterations", type=int, nargs="+", default=[4, 5, 6, 8])
+    ap.add_argument("--penalties", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5],
+                    help="the warm penalty (SolverOptions.rho_warm; the cold rows' rho), each a row")
+    ap.add_argument("--relax", type=float, nargs="+", default=[SolverOptions().relax],
+                    help="ADMM's over-relaxation (SolverOptions.relax), each a row")
+    ap.add_argument("--growth", type=float, nargs="+", default=[SolverOptions().rho_growth],
+                    help="the warm penalty's growth per iteration (SolverOptions.rho_growth), each a row")
+    ap.add_argument("--warm-average", type=float, nargs="+", default=[SolverOptions().warm_average],
+                    help="the share of the previous warm start kept in the next (SolverOptions.warm_average), "
+                         "each a row")
+    ap.add_argument("--pullbacks", type=int, nargs="+", default=[SolverOptions().pullbacks],
+                    help="rounds of Proj_T(pull_back(.)) on ADMM's answer (SolverOptions.pullbacks), each a row")
+    ap.add_argument("--iterations", type=int, nargs="+", default=[4, 5, 6, 8],
+                    help="warm iteration budgets (SolverOptions.iterations), each a column")
     ap.add_argument("--clip", default="auto", choices=("auto", "eigh", "polynomial"),
                     help="ADMM's clip (auto = eigh on this CPU; polynomial is what a GPU runs)")
     ap.add_argument("--precision", nargs="+", default=["fp32"], choices=("fp32", "tf32", "bf16"),
-                    help="the inner iterations' precision (tf32 emulated on CPU), each a row")
-    ap.add_argument("--clip-msign", nargs="+", default=["minimax"], choices=("minimax", "polar-express"),
-                    help="the polynomial clip's matrix signs (SolverOptions.clip_msign), each a row")
+                    help="the inner iterations' precision (SolverOptions.precision; tf32 emulated on CPU), "
+                         "each a row")
     ap.add_argument("--momenta", default=None, help="replay real momenta from bench/dump_momenta.py")
     ap.add_argument("--shapes", nargs="+", type=parse_shape, default=[(768, 256, "stiefel"), (1024, 256, "dgram")],
                     metavar="ROWSxCOLS:MANIFOLD",
@@ -78,24 +83,25 @@ def main():
               flush=True)
         cases.append((W, Gs, manifold, opt))
     names = [f"{m} {W.size(-2)}x{W.size(-1)} {it} it." for it in args.iterations for W, _, m, _ in cases]
-    print(f"warm, the 4th step, clip {args.clip}:  penalty growth relax precision clip-msign warm-average | "
+    print(f"warm, the 4th step, clip {args.clip}:  penalty growth relax precision warm-average pullbacks | "
           + " | ".join(names))
     for row in setting_rows(args):
         qualities = []
         for it in args.iterations:
             for W, Gs, manifold, opt in cases:
-                opts = row_options(args, row, it)
+                plan = row_plan(args, row, it)
                 state = None
                 for G in Gs:
-                    solution = solve_tall(W, G, manifold, state, opts)
+                    solution = solve_tall(W, G, geometry(manifold), state, plan)
                     state = solution.state
                 qualities.append(quality(W[0].double(), Gs[-1][0].double(), solution.A[0].double(), opt))
         print(f"{row_label(row)} | " + " | ".join(f"{x:.4f}" for x in qualities), flush=True)
     print("cold (first step, 6 iterations):  penalty | " + " | ".join(m for _, _, m, _ in cases))
     for penalty in args.penalties:
+        cold = plan_for(SolverOptions(iterations=3, tol=NO_EARLY_EXIT, rho=penalty), "cpu")
         row = [quality(W[0].double(), Gs[-1][0].double(),
-                       solve_tall(W, Gs[-1], m, None, SolverOptions(admm_steps=3, tol=0, admm_rho=penalty)).A[0].double(),
-                       opt) for W, Gs, m, opt in cases]
+                       solve_tall(W, Gs[-1], geometry(m), None, cold).A[0].double(), opt)
+               for W, Gs, m, opt in cases]
         print(f"{penalty:7.3f} | " + " | ".join(f"{x:.4f}" for x in row), flush=True)
 
 
@@ -111,23 +117,23 @@ def parse_shape(text):
     return rows, cols, manifold
 
 
-def row_options(args, row, iterations):
-    """SolverOptions of one row of the sweep at an iteration budget (fixed budgets, sync-free)."""
-    penalty, growth, relax, precision, clip_msign, average, pullbacks = row
-    return SolverOptions(admm_pullbacks=pullbacks, admm_steps=iterations, tol=0, admm_rho_warm=penalty, admm_rho_growth=growth,
-                         admm_relax=relax, clip=args.clip, precision=precision, capturable=True,
-                         clip_msign=clip_msign, admm_warm_average=average)
+def row_plan(args, row, iterations):
+    """The CPU SolverPlan of one row of the sweep at an iteration budget (fixed budgets, sync-free)."""
+    penalty, growth, relax, precision, average, pullbacks = row
+    return plan_for(SolverOptions(iterations=iterations, pullbacks=pullbacks, tol=NO_EARLY_EXIT, rho_warm=penalty,
+                                  rho_growth=growth, relax=relax, warm_average=average, clip=args.clip,
+                                  precision=precision, capturable=True), "cpu")
 
 
 def row_label(row):
-    penalty, growth, relax, precision, clip_msign, average, pullbacks = row
-    return f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {clip_msign} {average:.2f} {pullbacks}"
+    penalty, growth, relax, precision, average, pullbacks = row
+    return f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {average:.2f} {pullbacks}"
 
 
 def setting_rows(args):
-    return [(penalty, growth, relax, precision, clip_msign, average, pullbacks) for penalty in args.penalties
+    return [(penalty, growth, relax, precision, average, pullbacks) for penalty in args.penalties
             for growth in args.growth for relax in args.relax for precision in args.precision
-            for clip_msign in args.clip_msign for average in args.warm_average for pullbacks in args.pullbacks]
+            for average in args.warm_average for pullbacks in args.pullbacks]
 
 
 def windows(steps):
@@ -143,6 +149,7 @@ def windows(steps):
 
 def replay(args):
     record = torch.load(args.momenta)
+    cap = record.get("dgram_cap", 1.0)
     cache_path = args.momenta + ".optima.pt"
     optima = torch.load(cache_path) if os.path.exists(cache_path) else {}
     cases = []  # (label, [banks of each step], {(bank, matrix): optimum})
@@ -168,17 +175,17 @@ def replay(args):
     names = [f"step {last} {steps[-1][b][1]} {'x'.join(map(str, steps[-1][b][2].shape[1:]))}"
              for last, steps, targets in cases for b in sorted({b for b, _ in targets})]
     print(f"real momenta ({args.momenta}), warm-started through each window, clip {args.clip}; worst / mean "
-          "quality of a bank's matrices:  penalty growth relax precision clip-msign warm-average iterations | "
+          "quality of a bank's matrices:  penalty growth relax precision warm-average pullbacks iterations | "
           + " | ".join(names))
     for row in setting_rows(args):
         for it in args.iterations:
-            opts = row_options(args, row, it)
+            plan = row_plan(args, row, it)
             cells = []
             for _, steps, targets in cases:
                 states = [None] * len(steps[0])
                 for banks in steps:
-                    solutions = solve_tall_banks([(W, G, manifold, state) for (_, manifold, W, G), state
-                                                  in zip(banks, states)], opts)
+                    solutions = solve_tall_banks([(W, G, geometry(manifold, cap), state)
+                                                  for (_, manifold, W, G), state in zip(banks, states)], plan)
                     states = [solution.state for solution in solutions]
                 for b in sorted({b for b, _ in targets}):
                     _, _, W, G = steps[-1][b]
