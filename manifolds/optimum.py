@@ -1,18 +1,16 @@
-"""An independent float64 reference for the steepest direction, with an optimality certificate.
+"""The certified float64 optimum of the steepest direction, which tests and bench/ measure
+the solver's directions against (`quality`).
 
-It solves  max <G, A>  s.t.  ||A||_op <= 1,  A tangent  by ADMM with exact SVD projections
-(no Newton-Schulz, no dual ascent: nothing shared with the code under test but the manifold's
-tangent projection, which tests check separately). Its optimality is certified by weak
-duality: for any N in the normal space, <G, A> <= ||G - N||_* for every feasible A.
+It solves  max <G, A>  s.t.  ||A||_op <= 1,  A tangent  by the ADMM of manifolds/reference.py
+with residual balancing and exact SVD clips (no Newton-Schulz, no dual ascent: nothing shared
+with the solver under test but the tangent projection of manifolds/geometry.py, which the
+reference's own projection checks in tests/test_reference.py). Its optimality is certified by
+weak duality: for any N in the normal space, <G, A> <= ||G - N||_* for every feasible A.
 """
 import torch
 
 from manifolds.geometry import MANIFOLDS
-
-
-def svd_clip(Y):
-    U, S, Vh = torch.linalg.svd(Y, full_matrices=False)
-    return (U * S.clamp(max=1.0).unsqueeze(-2)) @ Vh
+from manifolds.reference import spectral_clip
 
 
 def optimum(W, G, manifold, iters=3000, in_span=False, tol=1e-9, check_every=50):
@@ -56,7 +54,7 @@ def certified_admm(G, project, iters, tol, check_every):
     best_primal, best_upper = -float("inf"), float("inf")
     for k in range(1, iters + 1):
         B = project(Z - U + G / rho)
-        Z_prev, Z = Z, svd_clip(B + U)
+        Z_prev, Z = Z, spectral_clip(B + U)
         U = U + B - Z
         if k % 10 == 0:
             primal_residual, dual_residual = (B - Z).norm(), rho * (Z - Z_prev).norm()
@@ -81,7 +79,8 @@ def quality(W, G, A, opt):
 
 
 def random_point(shape, manifold, seed, spread=0.3):
-    """A random point of the manifold (DGram with spread column norms) and a random G."""
+    """A random test problem: a point W of the manifold (DGram: column norms spread by
+    exp(spread * N(0, 1))) and a random G, float32."""
     g = torch.Generator().manual_seed(seed)
     W = torch.randn(shape, generator=g, dtype=torch.float64)
     tall = W.mT if shape[-2] < shape[-1] else W
