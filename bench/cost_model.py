@@ -1,11 +1,14 @@
 """What one ManifoldMuon step of a GPT-2 would cost on a GPU, counted on a CPU (issue 15).
 
-    python -m bench.cost_model                                  # GPT-2 small, hetero, world sizes 1 and 8
-    python -m bench.cost_model --fake                           # shapes only, if the step allows it
+    python -m bench.cost_model --fake                           # GPT-2 small, hetero, world sizes 1 and 8
+    python -m bench.cost_model --fake --solver-opt iterations=4 --solver-opt pullbacks=1   # other budgets
+    python -m bench.cost_model --solver-opt capturable=off      # the syncing step (early exits)
     python -m bench.cost_model --n-layer 2 --n-embd 64 --out /tmp/cost.json
 
 It builds the trainer's Muon groups exactly (train_gpt2.build_optimizers, --kernels torch, fp32
-on CPU), gives every matrix a momentum-like gradient (bench/optimizer.py), runs one untimed
+on CPU) with the solver a GPU runs by default (its "auto" choices: polynomial clip, sync-free
+step, TF32 iterations; --solver-opt KEY=VALUE and --solver-precision go to the trainer as given,
+after those), gives every matrix a momentum-like gradient (bench/optimizer.py), runs one untimed
 step (momenta and warm starts created), then counts ONE warm step op by op (bench/op_count.py):
 kernel launches (torch ops; each call of the three kernel products is one Triton launch),
 host syncs, dense-product FLOPs by the precision they would run at on a GPU, and the
@@ -19,14 +22,13 @@ the step's time on one H200 against forward+backward of the same tokens. Estimat
 until a GPU measures them (bench/step_time.py, bench/gpu_check.sh).
 
 --fake runs everything under FakeTensorMode (no arithmetic; minutes become seconds). The counts
-are the same as a real run's as long as the step makes no data-dependent host decision; today's
-step does make them (convergence tests, fallbacks), and then it reports so and counts a real
-run instead (unless --fake-only).
+are the same as a real run's as long as the step makes no data-dependent host decision: the
+sync-free step makes none; the syncing one (capturable=off: convergence checks) does, and then
+it reports so and counts a real run instead (unless --fake-only).
 """
 import argparse
 import contextlib
 import copy
-import dataclasses
 import os
 import subprocess
 import sys
@@ -40,6 +42,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from bench.op_count import OpCounter, simulated_collectives, triton_attribution
 from bench.optimizer import momentum_like
 from bench.results import Results
+from errors import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,6 +67,9 @@ LINALG_NOTE = ("linalg ops (eigh ~9 q^3, cholesky q^3/3, triangular solve q^2 k 
 RATE_OF = {"triton:bf16": "bf16_flops", "bf16": "bf16_flops", "triton:tf32": "tf32_flops", "tf32": "tf32_flops",
            "triton:tf32x3": "tf32x3_flops", "ieee-fp32": "ieee_fp32_flops", "float64": "fp64_flops"}
 FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)
+# What SolverOptions' "auto" resolves to on a GPU where this CPU would choose otherwise
+# (manifolds/plan.py: eigh and the syncing step on a CPU); --solver-precision's default is the third
+GPU_SOLVER_OPTS = ("clip=polynomial", "capturable=on")
 
 
 def parse_args(argv=None):
@@ -72,22 +78,15 @@ def parse_args(argv=None):
     ap.add_argument("--n-embd", type=int, default=768)
     ap.add_argument("--assign", default="hetero", help="train_gpt2.py's --assign (not auto)")
     ap.add_argument("--world-size", type=int, nargs="+", default=[1, 8], help="world sizes to count")
-    ap.add_argument("--clip", default="polynomial", choices=("auto", "eigh", "polynomial"),
-                    help="ADMM's clip; polynomial is what a GPU runs (auto = eigh on this CPU)")
-    ap.add_argument("--admm-steps", type=int, default=None, help="train_gpt2's --admm-steps (default: its default)")
-    ap.add_argument("--admm-pullbacks", type=int, default=None,
-                    help="train_gpt2's --admm-pullbacks (default: its default)")
-    ap.add_argument("--capturable", action="store_true",
-                    help="pass capturable=True to ManifoldMuon (if its SolverOptions has that field)")
+    ap.add_argument("--solver-opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="train_gpt2's --solver-opt, repeatable, applied after the GPU's choices "
+                         + " ".join(GPU_SOLVER_OPTS) + " (e.g. clip=eigh, capturable=off, iterations=4)")
     ap.add_argument("--solver-precision", default="tf32",
                     help="train_gpt2's --solver-precision (default tf32: what its auto picks on a GPU; on this "
                          "CPU auto would be fp32)")
     ap.add_argument("--tf32", action="store_true",
                     help="label products as if torch.backends.cuda.matmul.fp32_precision = 'tf32' "
                          "(set_float32_matmul_precision('high')): TF32 for torch's fp32 matmuls and the kernels")
-    ap.add_argument("--fixed-iterations", action="store_true",
-                    help="tol 0: every solver runs to its iteration cap (no early exit), the worst case; "
-                         "the work of a bank is then the same for any split over ranks")
     ap.add_argument("--fake", action="store_true", help="count under FakeTensorMode (falls back to a real run "
                                                         "when the step reads device values on the host)")
     ap.add_argument("--fake-only", action="store_true", help="with --fake: no real fallback")
@@ -109,11 +108,6 @@ def parse_args(argv=None):
     return args
 
 
-def capturable_supported():
-    from manifolds.dual import SolverOptions
-    return "capturable" in {f.name for f in dataclasses.fields(SolverOptions)}
-
-
 def git_commit():
     """(commit, whether manifolds/ or kernels/ differ from it): the code that was counted."""
     def git(*cmd):
@@ -131,12 +125,10 @@ def trainer_args(args):
     n_head = max(1, args.n_embd // 64) if args.n_embd % 64 == 0 else 1  # Muon shapes do not depend on it
     targs = train_gpt2.parse_args(["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
                                    "--n-head", str(n_head), "--seq-len", str(args.seq_len),
-                                   "--assign", args.assign, "--clip", args.clip, "--kernels", "torch",
-                                   "--device", "cpu", "--dtype", "float32"]
-                                  + ([] if args.admm_steps is None else ["--admm-steps", str(args.admm_steps)])
-                                  + ([] if args.admm_pullbacks is None else ["--admm-pullbacks", str(args.admm_pullbacks)])
-                                  + (["--capturable", "on" if args.capturable else "off"])
-                                  + ["--solver-precision", args.solver_precision])
+                                   "--assign", args.assign, "--kernels", "torch", "--device", "cpu",
+                                   "--dtype", "float32", "--solver-precision", args.solver_precision]
+                                  + [flag for opt in GPU_SOLVER_OPTS + tuple(args.solver_opt)
+                                     for flag in ("--solver-opt", opt)])
     train_gpt2.validate_args(targs, world_size=1)
     return targs
 
@@ -149,9 +141,6 @@ def build(args, fake):
     model = train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=targs.n_layer, n_head=targs.n_head, n_embd=targs.n_embd,
                                                 seq_len=targs.seq_len, vocab_size=targs.vocab_size))
     muon, _ = train_gpt2.build_optimizers(model, targs, torch.device("cpu"))
-    if args.fixed_iterations:
-        for group in muon.param_groups:  # solver options are group options
-            group["tol"] = 0.0
     params = [p for group in muon.param_groups for p in group["params"]]
     gen = torch.Generator().manual_seed(args.seed)
     # momentum-like gradients (power-law spectrum), drifting slowly from step to step; under
@@ -215,8 +204,9 @@ def count_step(opt, world_size, rank):
 
 
 def count_all(args, fake):
-    """{world size: [summary per rank]}, plus the model's matmul parameter count and the
-    per-rank ownership. Raises FAKE_ERRORS when `fake` and the step reads device values."""
+    """{world size: [summary per rank]}, plus the model's matmul parameter count, the per-rank
+    ownership and the optimizer's SolverPlan. Raises FAKE_ERRORS when `fake` and the step reads
+    device values."""
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with mode:
         model, opt, params, grads = build(args, fake)
@@ -241,7 +231,7 @@ def count_all(args, fake):
         # matmul parameters of forward+backward: all but the position embedding (a lookup; the
         # token embedding is tied to the head, a product)
         matmul_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-    return counts, owners, matmul_params
+    return counts, owners, matmul_params, opt.plan
 
 
 # --- the estimate -------------------------------------------------------------------------------
@@ -310,18 +300,11 @@ def main(argv=None):
     commit, dirty = git_commit()
     out = Results(args.out, config={k: v for k, v in vars(args).items()}, constants=H200,
                   linalg_assumption=LINALG_NOTE, commit=commit, uncommitted_changes=dirty)
-    if args.capturable and not capturable_supported():
-        msg = "--capturable is not supported: manifolds.dual.SolverOptions has no 'capturable' field"
-        out.put("error", value=msg)
-        print(msg, file=sys.stderr)
-        return 2
-    if not args.capturable and capturable_supported():
-        print("note: SolverOptions.capturable defaults to 'auto', True on CUDA tensors: a GPU run takes the "
-              "sync-free path that --capturable counts; this count is the syncing path (auto on a CPU)")
-    print(f"ManifoldMuon step, {args.assign}, {args.n_layer} layers x n_embd {args.n_embd}, clip {args.clip}"
-          f"{', capturable' if args.capturable else ''}{', fixed iterations' if args.fixed_iterations else ''}"
-          f"{', TF32 labels' if args.tf32 else ''}, solver precision {args.solver_precision}; "
-          f"code at {commit}{' + uncommitted changes' if dirty else ''}", flush=True)
+    trainer_args(args)  # a bad --solver-opt is a UserError before anything is built
+    print(f"ManifoldMuon step, {args.assign}, {args.n_layer} layers x n_embd {args.n_embd}, solver options "
+          f"{' '.join(GPU_SOLVER_OPTS + tuple(args.solver_opt))}, solver precision {args.solver_precision}"
+          f"{', TF32 labels' if args.tf32 else ''}; code at {commit}{' + uncommitted changes' if dirty else ''}",
+          flush=True)
     with tf32_labels(args.tf32):
         return count_and_report(args, out)
 
@@ -351,7 +334,7 @@ def count_and_report(args, out):
     t0 = time.perf_counter()
     if args.fake:
         try:
-            counts, owners, matmul_params = count_all(args, fake=True)
+            counts, owners, matmul_params, plan = count_all(args, fake=True)
             mode = "fake"
         except FAKE_ERRORS:
             note = "needs a real run: the step reads device values on the host"
@@ -360,17 +343,18 @@ def count_and_report(args, out):
                 print(f"--fake-only: {note} (at least 1 sync); nothing counted", file=sys.stderr)
                 return 3
             print(f"--fake: {note}; counting a real run", flush=True)
-            counts, owners, matmul_params = count_all(args, fake=False)
+            counts, owners, matmul_params, plan = count_all(args, fake=False)
             syncs = counts[args.world_size[0]][0]["host_syncs"]
             out.put("fake", value=f"{note} ({syncs} syncs)")
             print(f"  ({syncs} syncs in the counted step)")
     else:
-        counts, owners, matmul_params = count_all(args, fake=False)
+        counts, owners, matmul_params, plan = count_all(args, fake=False)
     out.put("mode", value=mode)
+    out.put("solver", value=plan.as_dict())
     out.put("seconds", value=time.perf_counter() - t0)
     out.put("matmul_params", value=matmul_params)
     print(f"counted under {'FakeTensorMode' if mode == 'fake' else 'real CPU arithmetic'} in "
-          f"{time.perf_counter() - t0:.1f} s")
+          f"{time.perf_counter() - t0:.1f} s; {plan.summary()}")
     print("constants (one H200, for the ESTIMATE): bf16 395 TFLOP/s (half of 790 measured on a large product), "
           "TF32 198, 3xTF32 66, IEEE fp32 50; 5 us per launch, 20 us per host sync or tensor literal; "
           "ring all-gather at 350 GB/s; products, launches, syncs and the exchange added (no overlap); "
@@ -401,4 +385,4 @@ def count_and_report(args, out):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -6,6 +6,7 @@ import torch
 
 import kernels
 from bench import cost_model
+from errors import UserError
 from bench.op_count import OpCounter, product_precision, simulated_collectives, triton_attribution
 from kernels import products_torch
 
@@ -82,10 +83,12 @@ def _run(tmp_path, name, *flags):
 
 
 def test_main_world_size_8_splits_the_work_exactly(tmp_path, capsys):
-    # --fake: today's syncing step cannot run under fake tensors, so this also covers the fallback
-    status, data = _run(tmp_path, "split", "--world-size", "1", "8", "--fixed-iterations", "--fake")
-    assert status == 0
-    assert data["mode"] == "real" and data["fake"].startswith("needs a real run")
+    # the default count is the GPU's plan: sync-free (fixed budgets, so a bank's work does not
+    # depend on the split), hence countable under fake tensors
+    status, data = _run(tmp_path, "split", "--world-size", "1", "8", "--fake-only")
+    assert status == 0 and data["mode"] == "fake"
+    assert data["solver"]["capturable"] and data["solver"]["clip"] == "polynomial"
+    assert data["solver"]["precision"] == "tf32" and data["solver"]["backend"] == "torch"
     one, eight = data["world_size"]["1"]["ranks"], data["world_size"]["8"]["ranks"]
     assert len(one) == 1 and len(eight) == 8
     # the split loses and duplicates no work: every precision's FLOPs add up over the ranks
@@ -103,11 +106,9 @@ def test_main_world_size_8_splits_the_work_exactly(tmp_path, capsys):
 
 
 def test_fake_counts_equal_real_counts(tmp_path):
-    # a sync-free step: capturable if the solver has it, else plain Muon (no constraint, no sync).
-    # One ADMM bank (mlp.fc, span-reduced), square Stiefel's dual (attn.proj), two plain Muon
+    # the default, sync-free step. One ADMM bank (mlp.fc, span-reduced), square Stiefel's dual (attn.proj), two plain Muon
     # banks: every solver path at a third of hetero's ops (fake tensors cost ~1 ms an op here)
-    flags = (["--capturable", "--assign", "attn.proj=stiefel,mlp.fc=dgram"] if cost_model.capturable_supported()
-             else ["--assign", "unconstrained"])
+    flags = ["--assign", "attn.proj=stiefel,mlp.fc=dgram"]
     # world size 2: the rank simulation and the exchange too (world size 1 differs only in the write)
     _, fake = _run(tmp_path, "fake", "--world-size", "2", "--fake-only", *flags)
     _, real = _run(tmp_path, "real", "--world-size", "2", *flags)
@@ -119,6 +120,21 @@ def test_fake_counts_equal_real_counts(tmp_path):
         assert r["host_syncs"] == 0 and r["kernels"] > 0
 
 
-def test_fake_only_reports_a_syncing_step(tmp_path):
-    status, data = _run(tmp_path, "syncs", "--world-size", "1", "--fake-only")
+def test_a_syncing_step_is_counted_by_a_real_run(tmp_path):
+    # capturable=off checks convergence on the host: fake tensors cannot decide it, so --fake falls
+    # back to a real run and --fake-only refuses
+    flags = ("--world-size", "1", "--solver-opt", "capturable=off")
+    status, data = _run(tmp_path, "syncs", *flags, "--fake-only")
     assert status == 3 and data["fake"].startswith("needs a real run")
+    status, data = _run(tmp_path, "fallback", *flags, "--fake")
+    assert status == 0 and data["mode"] == "real" and data["fake"].startswith("needs a real run")
+    assert not data["solver"]["capturable"] and data["world_size"]["1"]["ranks"][0]["host_syncs"] > 0
+
+
+def test_solver_opts_reach_the_trainer_and_bad_ones_are_user_errors():
+    args = cost_model.parse_args(["--solver-opt", "capturable=off", "--solver-opt", "iterations=5"])
+    targs = cost_model.trainer_args(args)
+    assert targs.solver_options == {"clip": "polynomial", "capturable": False, "iterations": 5}
+    assert targs.solver_precision == "tf32" and targs.kernels == "torch"
+    with pytest.raises(UserError, match="clip"):
+        cost_model.trainer_args(cost_model.parse_args(["--solver-opt", "clip=svd"]))
