@@ -66,7 +66,8 @@ def test_generate_runs_and_greedy_matches_ours(exported):
     folder, model, _ = exported
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    context = [EOT] + tokenizer("The quick brown fox")["input_ids"]
+    context = [EOT] + tokenizer("The quick brown fox")["input_ids"]  # sample.py's context
+    assert tokenizer("<|endoftext|>The quick brown fox")["input_ids"] == context  # README's recipe for it
     with torch.no_grad():
         out = hf.generate(torch.tensor([context]), max_new_tokens=10, do_sample=False, pad_token_id=EOT)
     ours = sample.generate(model, context, 1, 10, temperature=0)
