@@ -1,4 +1,5 @@
-"""Manifold Muon in plain torch: the method as a readable statement, in MISSION.md's symbols.
+"""Manifold Muon in plain torch: the method as a readable statement, in its symbols: W the weight,
+G its momentum, A the step direction, P the Gram projector, Lambda the dual, R the retraction.
 
 One matrix at a time, exact SVDs, a fixed number of ADMM iterations, the input's dtype
 throughout: nothing here is fast. The fast path (manifolds.steepest_direction, ManifoldMuon)
@@ -56,7 +57,7 @@ def steepest_direction_reference(W, G, manifold, iterations=1000):
 
     ADMM on the split A = B = Z, B tangent, ||Z||_op <= 1, with the scaled dual U and a fixed
     penalty rho. At its fixed point rho U - G is normal, rho U = G + 2 W Lambda, and
-    Z = msign(rho U): MISSION.md's dual answer A(Lambda) = msign(G + 2 W Lambda).
+    Z = msign(rho U): the dual problem's answer A(Lambda) = msign(G + 2 W Lambda).
     On random test problems (up to 64 x 32) a few hundred iterations reach fp32 accuracy; a
     fixed rho converges slowly on ill-conditioned ones (optimum.py balances rho and certifies
     the gap). Square Stiefel has a closed form, A* = W msign(skew(W^T G)), a check in the tests.
