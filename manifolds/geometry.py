@@ -158,7 +158,7 @@ class DGramCap(DGram):
     """DGram with every column norm capped: {Q D : Q^T Q = I, 0 < d_i <= C}.
 
     Singular values are the column norms, so ||W||_op <= C: in attention the logit gain of
-    W_Q W_K^T is bounded by C^2, which is what DGram attention lacks (MISSION.md).
+    W_Q W_K^T is bounded by C^2, which is what DGram attention lacks (docs/experiments.md).
 
     Retraction: R(X) = msign(X N^-1) min(N, C): DGram's retraction with the norms clipped.
     Below the cap it equals DGram's (R(W) = W on the set), so W stays a fixed point.

@@ -56,8 +56,8 @@ class SolverOptions:
             raise ValueError(f"iterations must be >= 1 and pullbacks >= 0; got {self.iterations}, {self.pullbacks}")
         if not 0 <= self.warm_average < 1:
             raise ValueError(f"warm_average must lie in [0, 1); got {self.warm_average}")
-        if min(self.rho, self.rho_warm, self.rho_growth, self.relax, self.tol) <= 0:
-            raise ValueError("rho, rho_warm, rho_growth, relax and tol must be positive")
+        if min(self.rho, self.rho_warm, self.rho_growth, self.relax) <= 0 or self.tol < 0:
+            raise ValueError("rho, rho_warm, rho_growth and relax must be positive, tol >= 0")
 
     @classmethod
     def from_kwargs(cls, **kwargs):

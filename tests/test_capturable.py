@@ -4,8 +4,9 @@ import torch
 
 from manifolds.step_graph import HostReadMode, NotCapturable, Recorded
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
-from manifolds.dual import SolverOptions, solve_tall
+from manifolds.dual import admm_full, solve_tall, unit
 from manifolds.geometry import geometry
+from manifolds.plan import SolverOptions, plan_for
 from manifolds.optimum import optimum, quality, random_point
 
 
@@ -95,39 +96,16 @@ def test_sync_free_precision_fallback_is_a_feasible_descent_direction(manifold):
     G = torch.randn(96, 2, generator=g) @ torch.randn(2, 32, generator=g) + 1e-6 * torch.randn(96, 32, generator=g)
     A = steepest_direction(W, G, manifold, capturable=True)
     assert torch.isfinite(A).all()
-    assert int(solve_tall(W, G, manifold, None, SolverOptions(capturable=True)).fallbacks) == 1
-    assert int(solve_tall(W, G, manifold, None, SolverOptions(capturable=True, reduce=False)).fallbacks) == 0
     geo = geometry(manifold)
+    plan = plan_for(SolverOptions(capturable=True), "cpu")
+    assert int(solve_tall(W, G, geo, None, plan).fallbacks) == 1
+    assert int(admm_full(W, unit(G), geo, None, plan).fallbacks) == 0  # the full matrices need no fallback
     residual = geo.tangent_residual(W.double(), A.double())
     assert residual.abs().max() <= 1e-5
     assert abs(torch.linalg.matrix_norm(A.double(), 2) - 1) <= 1e-3
     assert (G * A).sum() > 0  # W - lr A descends along G
     opt, _ = optimum(W, G, manifold, iters=1500)
     assert quality(W, G, A, opt) >= 0.8  # 0.85 (Stiefel), 0.84 (DGram) here; the full solve: 0.9998, 0.998
-
-
-def test_resume_applies_this_runs_solver_flags():
-    # Optimizer.load_state_dict would bring back the checkpoint's solver options; the flags given
-    # to the resumed run win, and restore reports the difference
-    import train_gpt2
-    base = ["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
-
-    def build(flags):
-        args = train_gpt2.parse_args(base + flags)
-        train_gpt2.validate_args(args)
-        torch.manual_seed(0)
-        model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 16, 64))
-        return (model, *train_gpt2.build_optimizers(model, args, torch.device("cpu"))[::-1], args)
-
-    model, adamw, muon, args = build(["--admm-steps", "4"])
-    payload = train_gpt2.checkpoint_payload(0, model, adamw, muon.state_dict(), {}, args)
-    payload["rng"] = {"cpu": torch.get_rng_state(), "cuda": []}
-    model, adamw, muon, args = build(["--admm-steps", "7", "--solver-precision", "tf32"])
-    changed = train_gpt2.restore(payload, model, adamw, muon, args)
-    assert changed == {"admm_steps": (4, 7), "precision": ("auto", "tf32")}
-    assert all(g["admm_steps"] == 7 and g["precision"] == "tf32" for g in muon.param_groups)
-    model, adamw, muon, args = build(["--admm-steps", "4"])
-    assert train_gpt2.restore(payload, model, adamw, muon, args) == {}
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
@@ -142,8 +120,9 @@ def test_layernorm_gradients_stay_in_span_coordinates(manifold):
     G = torch.randn(192, 512, generator=g, dtype=torch.float64) @ (X - X.mean(dim=0, keepdim=True)).T
     assert torch.linalg.matrix_rank(G) == 63
     opt, _ = optimum(W, G, manifold, iters=1500)
-    span = solve_tall(W.float()[None], G.float()[None], manifold, None, SolverOptions(capturable=True))
-    full = solve_tall(W.float()[None], G.float()[None], manifold, None, SolverOptions(capturable=False, reduce=False))
+    geo = geometry(manifold)
+    span = solve_tall(W.float()[None], G.float()[None], geo, None, plan_for(SolverOptions(capturable=True), "cpu"))
+    full = admm_full(W.float()[None], unit(G.float()[None]), geo, None, plan_for(SolverOptions(capturable=False), "cpu"))
     assert int(span.fallbacks) == 0
     assert quality(W, G, span.A[0], opt) >= quality(W, G, full.A[0], opt) - 2e-3
     assert quality(W, G, span.A[0], opt) >= 0.99
@@ -161,7 +140,7 @@ def test_optimizer_stats_count_the_fallbacks():
     assert all(manifold_violation(p.detach(), "stiefel") <= 1e-4 for p in params)
     opt = ManifoldMuon([{"params": params, "manifold": "stiefel"}], lr=0.01, capturable=False)
     opt.step()
-    assert opt.stats()["stiefel:96x32"]["fallbacks"] == 0  # the syncing step solves it in full instead
+    assert opt.stats()["stiefel:96x32"]["fallbacks"] == 1  # the syncing step takes the same fallback
 
 
 def test_capturable_rejects_a_non_boolean():
@@ -176,13 +155,12 @@ def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_800_ops_and_sync_
     import train_gpt2
     from bench.op_count import OpCounter
     args = train_gpt2.parse_args(["--assign", "hetero", "--n-layer", "12", "--n-embd", "64", "--n-head", "4",
-                                  "--seq-len", "64"])
+                                  "--seq-len", "64", "--solver-opt", "capturable=on"])
     train_gpt2.validate_args(args)
     torch.manual_seed(0)
     model = train_gpt2.GPT(train_gpt2.GPTConfig(12, 4, 64, 64, 512))
     muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
-    for group in muon.param_groups:
-        group["capturable"] = True
+    assert muon.plan.capturable
     params = [p for group in muon.param_groups for p in group["params"]]
     g = torch.Generator().manual_seed(1)
     for _ in range(2):  # the first step creates the states and warm starts
@@ -197,30 +175,8 @@ def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_800_ops_and_sync_
     assert kernels <= 800, counter.kernels.most_common(10)  # 667 here; 2,137 before the stacked banks
 
 
-def test_trainer_flags_reach_the_solver():
-    import train_gpt2
-    from manifolds.optimizer import solver_options
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 16, 64))
-    for flags, capturable, precision in [([], "auto", "auto"), (["--capturable", "on", "--solver-precision", "bf16"],
-                                                                 True, "bf16"), (["--capturable", "off"], False, "auto"),
-                                         (["--solver-precision", "tf32"], "auto", "tf32")]:
-        args = train_gpt2.parse_args(["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"] + flags)
-        train_gpt2.validate_args(args)
-        muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
-        opts = solver_options(muon.param_groups[0])
-        assert (opts.capturable, opts.precision) == (capturable, precision)
-        assert opts.admm_rho_warm == SolverOptions().admm_rho_warm
-    args = train_gpt2.parse_args(["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-                                  "--admm-rho-warm", "0.3", "--admm-rho-growth", "1.25"])
-    train_gpt2.validate_args(args)
-    muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
-    opts = solver_options(muon.param_groups[0])
-    assert (opts.admm_rho_warm, opts.admm_rho_growth) == (0.3, 1.25)
-    assert SolverOptions().admm_rho_growth == 1.5 and opts.admm_rho_growth != SolverOptions().admm_rho_growth
-
-
 def test_a_growing_warm_penalty_keeps_the_fixed_point_and_gets_closer_in_the_budget():
-    """admm_rho_growth rescales U with rho, so the scaled multiplier rho U, and with it the fixed
+    """rho_growth rescales U with rho, so the scaled multiplier rho U, and with it the fixed
     point, is the same: with many iterations growth 1 and 2 reach the same direction. At 4
     iterations (without the pullbacks, which close part of the gap either way) the growing penalty
     is closer to the optimum on a degenerate problem (square DGram: many singular values of A*
@@ -228,19 +184,19 @@ def test_a_growing_warm_penalty_keeps_the_fixed_point_and_gets_closer_in_the_bud
     def warm(shape, manifold, **options):
         W, G = random_point(shape, manifold, seed=5)
         best, _ = optimum(W.double(), G.double(), manifold, iters=800)
-        opts = SolverOptions(tol=0, capturable=True, **options)
+        plan = plan_for(SolverOptions(tol=0, capturable=True, **options), "cpu")
         noise = 0.05 * torch.randn(G.shape, generator=torch.Generator().manual_seed(1))
-        state = solve_tall(W[None], (G + noise)[None], manifold, None, opts).state
-        A = solve_tall(W[None], G[None], manifold, state, opts).A[0]
+        state = solve_tall(W[None], (G + noise)[None], geometry(manifold), None, plan).state
+        A = solve_tall(W[None], G[None], geometry(manifold), state, plan).A[0]
         return quality(W.double(), G.double(), A.double(), best), A
 
-    (constant, A1), (growing, A2) = (warm((96, 32), "stiefel", admm_steps=30, admm_rho_growth=g) for g in (1.0, 2.0))
+    (constant, A1), (growing, A2) = (warm((96, 32), "stiefel", iterations=30, rho_growth=g) for g in (1.0, 2.0))
     assert constant > 0.9999 and growing > 0.9999
     torch.testing.assert_close(A1, A2, rtol=0, atol=2e-3)
-    budget = dict(admm_steps=4, admm_pullbacks=0)
-    assert (warm((48, 48), "dgram", admm_rho_growth=2.0, **budget)[0]
-            > warm((48, 48), "dgram", admm_rho_growth=1.0, **budget)[0] + 0.02)
-    long_run, A = warm((48, 48), "dgram", admm_steps=100)  # 200 iterations, 190 of them at the cap
+    budget = dict(iterations=4, pullbacks=0)
+    assert (warm((48, 48), "dgram", rho_growth=2.0, **budget)[0]
+            > warm((48, 48), "dgram", rho_growth=1.0, **budget)[0] + 0.02)
+    long_run, A = warm((48, 48), "dgram", iterations=100)  # 200 iterations, 190 of them at the cap
     assert torch.isfinite(A).all() and long_run > 0.999
 
 
@@ -357,34 +313,14 @@ def test_step_time_checks_its_graph_against_an_eager_step():
 
 
 def test_the_warm_start_kept_averages_the_one_started_from_and_the_new_correction():
-    # admm_warm_average changes only what the next step starts from: this step's direction is
+    # warm_average changes only what the next step starts from: this step's direction is
     # the same, and the state kept is the given mix of the incoming and the new correction
     W, G = random_point((96, 32), "dgram", seed=4)
-    opts = lambda average: SolverOptions(tol=0, capturable=True, admm_warm_average=average)  # noqa: E731
+    plan = lambda average: plan_for(SolverOptions(tol=0, capturable=True, warm_average=average), "cpu")  # noqa: E731
+    geo = geometry("dgram")
     noise = torch.randn(G.shape, generator=torch.Generator().manual_seed(2), dtype=G.dtype)
-    incoming = solve_tall(W[None], (G + 0.5 * noise)[None], "dgram", None, opts(0.0)).state
-    own, mixed = (solve_tall(W[None], G[None], "dgram", incoming, opts(a)) for a in (0.0, 0.5))
+    incoming = solve_tall(W[None], (G + 0.5 * noise)[None], geo, None, plan(0.0)).state
+    own, mixed = (solve_tall(W[None], G[None], geo, incoming, plan(a)) for a in (0.0, 0.5))
     torch.testing.assert_close(mixed.A, own.A, rtol=0, atol=0)
     torch.testing.assert_close(mixed.state, 0.5 * incoming + 0.5 * own.state, rtol=0, atol=1e-7)
     assert (own.state - incoming).abs().max() > 1e-4  # the two differ, so the mix is a real one
-
-
-@pytest.mark.parametrize("flag, value, bad_values", [("--admm-warm-average", 0.25, ("1.0", "-0.1")),
-                                                     ("--admm-pullbacks", 0, ("-1",))])
-def test_a_solver_flag_reaches_the_solver_and_rejects_bad_values(flag, value, bad_values):
-    # the trainer's flag reaches the solver options (a value other than the default); values out
-    # of range ([0, 1) for the average, >= 0 for the rounds) are user errors
-    import train_gpt2
-    from manifolds.optimizer import solver_options
-    name = flag[2:].replace("-", "_")
-    assert getattr(SolverOptions(), name) != value
-    base = ["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
-    args = train_gpt2.parse_args(base + [flag, str(value)])
-    train_gpt2.validate_args(args)
-    torch.manual_seed(0)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 16, 64))
-    muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
-    assert getattr(solver_options(muon.param_groups[0]), name) == value
-    for bad in bad_values:
-        with pytest.raises(train_gpt2.UserError, match=flag):
-            train_gpt2.validate_args(train_gpt2.parse_args(base + [flag, bad]))
