@@ -8,7 +8,7 @@
 #   SETTINGS="iters20 gpu gpu-fp32" ASSIGNS=hetero bash bench/solver_guard.sh
 #     (gpu: what a GPU runs by default, the polynomial clip, sync-free, TF32 inner iterations
 #     emulated on this CPU; gpu-fp32: the same at fp32; gpu-rho03/05: gpu with the warm ADMM
-#     penalty 0.3 / 0.5 instead of 0.1; gpu-growth1: gpu with a constant warm penalty)
+#     penalty 0.3 / 0.5 instead of the default; gpu-growth1: gpu with a constant warm penalty)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS:-"1 2"}
@@ -20,13 +20,15 @@ if [ ! -f "$OUT/data/prepare_progress.json" ]; then
     $PY -m data.split_text "$CORPUS"/*.txt --out "$OUT/books.jsonl"
     $PY -m data.prepare --files "$OUT/books.jsonl" --out-dir "$OUT/data" --val-fraction 0.1 --num-proc 1
 fi
-declare -A SOLVER=([default]="" [iters20]="--admm-steps 20 --dual-steps 20 --admm-pullbacks 0"
-                   [warm1]="--admm-steps 1" [warm2]="--admm-steps 2" [warm3]="--admm-steps 3" [warm4]="--admm-steps 4"
-                   [gpu]="--clip polynomial --capturable on --solver-precision tf32"
-                   [gpu-fp32]="--clip polynomial --capturable on --solver-precision fp32"
-                   [gpu-rho03]="--clip polynomial --capturable on --solver-precision tf32 --admm-rho-warm 0.3"
-                   [gpu-rho05]="--clip polynomial --capturable on --solver-precision tf32 --admm-rho-warm 0.5"
-                   [gpu-growth1]="--clip polynomial --capturable on --solver-precision tf32 --admm-rho-growth 1")
+GPU="--solver-opt clip=polynomial --solver-opt capturable=on"
+declare -A SOLVER=([default]="" [iters20]="--solver-opt iterations=20 --solver-opt pullbacks=0"
+                   [warm1]="--solver-opt iterations=1" [warm2]="--solver-opt iterations=2"
+                   [warm3]="--solver-opt iterations=3" [warm4]="--solver-opt iterations=4"
+                   [gpu]="$GPU --solver-precision tf32"
+                   [gpu-fp32]="$GPU --solver-precision fp32"
+                   [gpu-rho03]="$GPU --solver-precision tf32 --solver-opt rho_warm=0.3"
+                   [gpu-rho05]="$GPU --solver-precision tf32 --solver-opt rho_warm=0.5"
+                   [gpu-growth1]="$GPU --solver-precision tf32 --solver-opt rho_growth=1")
 SETTINGS=${SETTINGS:-"default iters20"}
 ASSIGNS=${ASSIGNS:-"hetero all-stiefel"}
 for setting in $SETTINGS; do

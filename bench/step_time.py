@@ -6,7 +6,8 @@
 Builds train_gpt2.GPT (GPT-2 small by default), runs forward+backward of a --batch x --seq-len
 token batch (random tokens; split into --micro-batch pieces to bound memory), then times the
 ManifoldMuon step on the real gradients for each --assign given, as the trainer runs it (warm
-started after the first step), for each kernel backend and ADMM clip, and prints optimizer ms /
+started after the first step), for each kernel backend and ADMM clip (each an optimizer of its
+own over the same parameters: the plan is fixed when one is built), and prints optimizer ms /
 forward+backward ms. Medians of --repeat timed runs after a warm-up.
 
 With --cuda-graph each setting is also captured as one CUDA graph (torch.cuda.CUDAGraph; the
@@ -16,12 +17,14 @@ step from the same state (`graph_max_abs_diff`); on CPU the same replay semantic
 by tests/test_capturable.py with manifolds/step_graph.py.
 """
 import argparse
+import dataclasses
 import time
 
 import torch
 
 import train_gpt2
 from bench.results import Results
+from manifolds import ManifoldMuon
 from manifolds.step_graph import StepGraph, lr_in_device_tensors
 
 
@@ -59,6 +62,13 @@ def graphed_step(opt, device):
     graphed()  # captured, then replayed once
     params = [p.detach() for group in opt.param_groups for p in group["params"]]
     return graphed, max(float((a - b).abs().max()) for a, b in zip(eager, params))
+
+
+def with_solver(muon, **changes):
+    """A fresh ManifoldMuon over `muon`'s parameter groups with these SolverOptions fields changed
+    (backend, clip): its own plan, momenta and warm starts."""
+    options = dataclasses.asdict(dataclasses.replace(muon.options, **changes))
+    return ManifoldMuon([dict(group) for group in muon.param_groups], **options)
 
 
 def main(argv=None):
@@ -107,34 +117,33 @@ def main(argv=None):
         forward_backward()  # fresh gradients for the optimizer timing
         results.put(assign, "forward_backward_ms", value=1000 * fb)
         print(f"{assign:14s} forward+backward {1000 * fb:8.1f} ms", flush=True)
+        setting = None
         for backend in args.kernels:
             for clip in args.clips:
                 name = backend if clip == "auto" else f"{backend}+{clip}"
-                for group in muon.param_groups:
-                    group["backend"], group["clip"] = backend, clip
                 try:
-                    opt = timed(muon.step, device, args.repeat)
+                    setting = with_solver(muon, backend=backend, clip=clip)
+                    opt = timed(setting.step, device, args.repeat)
                 except Exception as err:  # report and go on with the other settings
                     results.put(assign, name, value={"error": f"{type(err).__name__}: {err}"})
                     print(f"{assign:14s} kernels {name}: FAILED {type(err).__name__}: {err}", flush=True)
                     continue
-                value = {"muon_step_ms": 1000 * opt, "ratio": opt / fb, "solver": muon.stats()}
+                value = {"muon_step_ms": 1000 * opt, "ratio": opt / fb, "solver": setting.stats(),
+                         "plan": setting.plan.as_dict()}
                 line = (f"{assign:14s} kernels {name:12s} Muon step {1000 * opt:8.1f} ms | "
                         f"optimizer / fwd+bwd = {100 * opt / fb:5.1f}%")
                 if args.cuda_graph:
                     try:
-                        replay, diff = graphed_step(muon, device)
+                        replay, diff = graphed_step(setting, device)
                         graph_ms = 1000 * timed(replay, device, args.repeat)
                         value.update(graph_ms=graph_ms, graph_ratio=graph_ms / (1000 * fb), graph_max_abs_diff=diff)
                         line += f" | CUDA graph {graph_ms:8.1f} ms = {100 * graph_ms / (1000 * fb):5.1f}% (diff {diff:.1e})"
                     except Exception as err:
                         value["graph_error"] = f"{type(err).__name__}: {err}"
                         line += f" | CUDA graph FAILED {type(err).__name__}: {err}"
-                    for group in muon.param_groups:  # the next setting runs eagerly again
-                        group["lr"] = float(group["lr"])
                 results.put(assign, name, value=value)
                 print(line, flush=True)
-        del model, muon, adamw, step_model
+        del model, muon, adamw, step_model, setting
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
 
