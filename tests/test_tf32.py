@@ -1,4 +1,5 @@
-"""TF32 products (kernels/precision.py) and the solver's TF32 inner iterations."""
+"""TF32 products (kernels/precision.py) and the solver's TF32 inner iterations (a SolverPlan at
+precision tf32: manifolds/plan.py)."""
 import math
 
 import pytest
@@ -6,10 +7,17 @@ import torch
 
 import kernels
 from kernels import products_torch
+from kernels.matrix_sign import CLIP_SCHEDULE, EXACT_SCHEDULE
 from kernels.precision import round_to_tf32, tf32_active, tf32_products
-from manifolds.dual import SolverOptions, iteration_precision, solve_tall
+from manifolds.dual import solve_tall
 from manifolds.geometry import geometry
 from manifolds.optimum import random_point
+from manifolds.plan import MUON_STEPS, SolverOptions, plan_for
+
+
+def cpu_plan(**options):
+    """The SolverPlan of these SolverOptions for fp32 CPU tensors, on the torch kernels."""
+    return plan_for(SolverOptions(backend="torch", **options), "cpu")
 
 
 def tf32_reference(x):
@@ -62,8 +70,8 @@ def test_triton_kernels_take_tf32_inside_the_scope():
 def test_tf32_iterations_end_in_an_fp32_feasible_direction(manifold):
     W, G = random_point((96, 32), manifold, seed=5)
     W, G = W.float()[None], G.float()[None]
-    solve = lambda precision: solve_tall(W, G, manifold, None, SolverOptions(  # noqa: E731
-        precision=precision, clip="polynomial", capturable=True, backend="torch")).A[0]
+    solve = lambda precision: solve_tall(W, G, geometry(manifold), None, cpu_plan(  # noqa: E731
+        precision=precision, clip="polynomial", capturable=True)).A[0]
     A, exact = solve("tf32"), solve("fp32")
     assert geometry(manifold).tangent_residual(W[0].double(), A.double()).abs().max() <= 1e-5
     assert abs(torch.linalg.matrix_norm(A.double(), 2) - 1) <= 3e-3  # the power-iteration estimate, as in fp32
@@ -77,15 +85,16 @@ def test_tf32_iterations_end_in_an_fp32_feasible_direction(manifold):
 
 def test_square_stiefel_exact_step_at_tf32_is_the_fp32_answer():
     # square Stiefel's exact step W msign(skew(W^T G)) runs its matrix sign at TF32 under tf32
-    # iterations (dual.exact_msign): fp32-tangent, unit, and the fp32 path's objective; a
-    # momentum-like gradient has the small singular values the [0.001, 1] schedule is for
+    # iterations (dual.exact_square_stiefel, EXACT_SCHEDULE): fp32-tangent, unit, and the fp32
+    # path's objective; a momentum-like gradient has the small singular values the [0.001, 1]
+    # schedule is for
     from bench.optimizer import momentum_like
     from manifolds import project_to_manifold
     g = torch.Generator().manual_seed(0)
     W = project_to_manifold(torch.randn(96, 96, generator=g) * 0.02, "stiefel")[None]
     G = momentum_like((96, 96), g)[None]
-    solve = lambda precision: solve_tall(W, G, "stiefel", None, SolverOptions(  # noqa: E731
-        precision=precision, capturable=True, backend="torch")).A[0].double()
+    solve = lambda precision: solve_tall(W, G, geometry("stiefel"), None, cpu_plan(  # noqa: E731
+        precision=precision, capturable=True)).A[0].double()
     A, exact = solve("tf32"), solve("fp32")
     assert geometry("stiefel").tangent_residual(W[0].double(), A).abs().max() <= 1e-6
     assert abs(torch.linalg.matrix_norm(A, 2) - 1) <= 1e-3
@@ -118,7 +127,7 @@ def test_admm_starting_polar_factor_runs_in_bf16_under_tf32(monkeypatch):
     Y = torch.randn(2, 96, 32, generator=torch.Generator().manual_seed(0))
     for precision, dtype in (("tf32", torch.bfloat16), ("fp32", torch.float32)):
         seen.clear()
-        Z = dual.polar(Y, SolverOptions(precision=precision, clip="polynomial"))
+        Z = dual.polar(Y, cpu_plan(precision=precision, clip="polynomial"))
         assert seen == [dtype] and Z.dtype == torch.float32
         U, _, Vh = torch.linalg.svd(Y.double(), full_matrices=False)
         assert (Z.double() - U @ Vh).abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-4)
@@ -135,7 +144,7 @@ def test_spectral_clip_takes_both_signs_in_bf16_under_tf32(monkeypatch):
     expected = (U * s.clamp_max(1.0)) @ V.mT
     for precision, dtypes in (("tf32", [torch.bfloat16] * 2), ("fp32", [torch.float32] * 2)):
         seen.clear()
-        Z = dual.spectral_clip(Y, SolverOptions(precision=precision, clip="polynomial"))
+        Z = dual.spectral_clip(Y, cpu_plan(precision=precision, clip="polynomial"))
         assert seen == dtypes and Z.dtype == torch.float32
         assert (Z.double() - expected).abs().max() < (2e-2 if precision == "tf32" else 5e-5)  # 8.7e-3, 7e-6
 
@@ -150,18 +159,49 @@ def test_pull_back_takes_its_sign_in_bf16_under_tf32(monkeypatch):
     expected = (U * torch.where(s > 1, s * (3 - s.square()) / 2, s)) @ V.mT
     for precision, dtype, tolerance in (("tf32", torch.bfloat16, 2e-3), ("fp32", torch.float32, 1e-5)):  # 3.4e-4, 2e-7
         seen.clear()
-        pulled = dual.pull_back(B, SolverOptions(precision=precision, clip="polynomial"))
+        pulled = dual.pull_back(B, cpu_plan(precision=precision, clip="polynomial"))
         assert seen == [dtype] and pulled.dtype == torch.float32
         assert (pulled.double() - expected).abs().max() < tolerance
 
 
 def test_auto_precision_is_fp32_on_cpu_tf32_on_cuda():
-    opts = SolverOptions()
-    assert iteration_precision(opts, torch.zeros(2, 2)) == "fp32"
-    assert iteration_precision(opts, torch.zeros(2, 2, device="meta")) == "fp32"
-    if torch.cuda.is_available():
-        assert iteration_precision(opts, torch.zeros(2, 2, device="cuda")) == "tf32"
-        assert iteration_precision(opts, torch.zeros(2, 2, device="cuda", dtype=torch.float64)) == "fp32"
+    # resolved from the device and dtype alone (plan_for touches no tensor, so the CUDA rows
+    # hold on a machine without one)
+    auto = SolverOptions()
+    assert plan_for(auto, "cpu").precision == "fp32"
+    assert plan_for(auto, "meta").precision == "fp32"
+    assert plan_for(auto, "cuda").precision == "tf32"
+    assert plan_for(auto, "cuda", torch.float64).precision == "fp32"
+    assert plan_for(auto, "cuda", torch.bfloat16).precision == "bf16"
+    assert plan_for(SolverOptions(precision="fp32"), "cuda").precision == "fp32"  # a choice is kept
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_plan_schedules_follow_the_iterations_precision(precision):
+    # below fp32 iterations: bf16 matrix signs, one clip step fewer (its last reaches an accuracy
+    # such products cannot hold); square Stiefel's exact sign is the minimax EXACT_SCHEDULE at
+    # tf32 only, Polar Express and its polish otherwise
+    plan = cpu_plan(precision=precision, clip="polynomial")
+    full = precision == "fp32"
+    assert plan.tf32 == (precision == "tf32")
+    assert plan.sign_torch_dtype == (torch.float32 if full else torch.bfloat16)
+    assert plan.clip_steps == len(CLIP_SCHEDULE) - (0 if full else 1)
+    assert plan.exact_sign == (("minimax", len(EXACT_SCHEDULE)) if precision == "tf32"
+                               else ("polar-express", sum(MUON_STEPS)))
+
+
+def test_clip_runs_the_plans_step_count(monkeypatch):
+    # the clip's two signs run plan.clip_steps steps: the plan, not a global, decides it
+    import manifolds.dual as dual
+    steps = []
+    msign = kernels.msign
+    monkeypatch.setattr(kernels, "msign", lambda X, n, *a, **k: steps.append(n) or msign(X, n, *a, **k))
+    Y = torch.randn(2, 96, 32, generator=torch.Generator().manual_seed(0))
+    for precision in ("fp32", "tf32"):
+        steps.clear()
+        plan = cpu_plan(precision=precision, clip="polynomial")
+        dual.spectral_clip(Y, plan)
+        assert steps == [plan.clip_steps] * 2
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
@@ -172,7 +212,7 @@ def test_retraction_with_tf32_corrections_lands_as_close_to_the_manifold_as_fp32
     # would stop ~1e-4 away from the manifold
     W, G = random_point((192, 48), manifold, seed=7)
     geo = geometry(manifold)
-    A = solve_tall(W[None], G[None], manifold, None, SolverOptions(backend="torch")).A
+    A = solve_tall(W[None], G[None], geo, None, cpu_plan()).A
     X = W[None] - eta * A
     fp32 = geo.retract(X, backend="torch")
     mixed = geo.retract(X, backend="torch", tf32_correction=True)
