@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import sample
+from data.bpe import gpt2_encoding
 from errors import run_cli
 from tiny_gpt import tiny_model, write_checkpoint
 from training.model_io import EOT, GPT2_VOCAB
@@ -38,10 +39,53 @@ def test_a_run_folder_gives_its_newest_checkpoint(checkpoint):
     assert texts("--out-dir", os.path.dirname(checkpoint), *flags) == texts("--checkpoint", checkpoint, *flags)
 
 
+def trainer_logits(model, idx):
+    """(B, T, GPT2_VOCAB) logits as GPT.forward (the trainer's path, not sample.py's) computes
+    them, read at the head; the padded vocabulary rows dropped."""
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, out: seen.append(out))
+    try:
+        with torch.no_grad():
+            model(idx, idx)
+    finally:
+        hook.remove()
+    return seen[0][..., :GPT2_VOCAB].float()
+
+
 def test_greedy_decoding_is_the_argmax_chain(checkpoint):
-    """--temperature 0 picks the most likely token each step: same text for any seed."""
-    flags = ("--checkpoint", checkpoint, "--prompt", PROMPT, "--num-samples", "1", "--temperature", "0")
-    assert texts(*flags, "--seed", "1") == texts(*flags, "--seed", "2")
+    """--temperature 0 picks the most likely token each step: the text is the prompt followed by
+    the chain of argmaxes of the model's own logits (computed here, one full forward per token),
+    for any seed."""
+    flags = ("--checkpoint", checkpoint, "--prompt", PROMPT, "--num-samples", "1", "--temperature", "0",
+             "--max-new-tokens", "20")  # within the 32-token context: no cropping
+    [text] = texts(*flags, "--seed", "1")
+    assert texts(*flags, "--seed", "2") == [text]
+    model = tiny_model()  # the checkpoint's weights
+    encoding, _ = gpt2_encoding()
+    prompt = encoding.encode(PROMPT)
+    chain = argmax_chain(model, [EOT] + prompt, 20)
+    if EOT in chain:
+        chain = chain[:chain.index(EOT)]
+    assert len(chain) >= 5
+    assert text == encoding.decode_bytes(prompt + chain).decode("utf-8", errors="replace")
+    # this random model's greedy chains repeat their first token: the first tokens after other
+    # contexts differ, so each is an argmax of logits that depend on the context
+    g = torch.Generator().manual_seed(0)
+    contexts = [[EOT] + torch.randint(0, GPT2_VOCAB - 1, (6,), generator=g).tolist() for _ in range(4)]
+    chains = [argmax_chain(model, context, 6) for context in contexts]
+    assert len({c[0] for c in chains}) == 4
+    for context, want in zip(contexts, chains, strict=True):
+        assert sample.generate(model, context, 1, 6, temperature=0)[0, len(context):].tolist() == want
+
+
+def argmax_chain(model, context, n):
+    """n tokens, each the argmax of trainer_logits over the whole sequence so far."""
+    idx = torch.tensor([context])
+    for _ in range(n):
+        top2, top = trainer_logits(model, idx)[0, -1].topk(2)
+        assert top2[0] - top2[1] > 1e-4  # no near-tie the two computations could break differently
+        idx = torch.cat([idx, top[:1].view(1, 1)], dim=1)
+    return idx[0, len(context):].tolist()
 
 
 def test_a_context_longer_than_the_model_sees_is_cropped_to_its_last_tokens():
