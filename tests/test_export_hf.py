@@ -8,10 +8,11 @@ import torch
 
 import export_hf
 import sample
+import train_gpt2
 from data.bpe import gpt2_encoding
 from errors import run_cli
 from synthetic import make_shards
-from tiny_gpt import tiny_model, train_checkpoints, write_checkpoint
+from tiny_gpt import tiny_model, train_checkpoints, trainer_logits, write_checkpoint
 from training.checkpoints import load_checkpoint
 from training.model_io import EOT, GPT2_VOCAB, find_checkpoint, gpt2_logits, load_model
 
@@ -123,11 +124,25 @@ def test_merges_are_gpt2s():
 
 
 def test_a_trained_checkpoint_exports_and_verifies(tmp_path):
-    """The trainer's own checkpoint (split-QKV assignment) passes the export's logit and token check."""
+    """The trainer's own checkpoint (split-QKV assignment) passes the export's logit and token
+    check, and the folder's logits are those of the trainer's GPT built here from the checkpoint's
+    flags and state dict (not through training.model_io, which the export itself uses)."""
     run_dir = train_checkpoints(make_shards(str(tmp_path / "data")), tmp_path / "run")
     _, payload = find_checkpoint(out_dir=run_dir)
     difference = export_hf.export(payload, str(tmp_path / "hf"), gpt2_encoding()[0], verify=True)
     assert difference <= RELATIVE_TOLERANCE
+    flags = payload["args"]
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(flags["n_layer"], flags["n_head"], flags["n_embd"], flags["seq_len"],
+                                                flags["vocab_size"]))
+    model.load_state_dict(payload["model"])
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    idx = torch.randint(0, GPT2_VOCAB, (3, flags["seq_len"]), generator=torch.Generator().manual_seed(1))
+    ours = trainer_logits(model.eval(), idx, GPT2_VOCAB)
+    with torch.no_grad():
+        theirs = hf(idx).logits
+    scale = ours.abs().max()
+    assert scale > 0.1  # two steps from GPT-2's init: small logits, still far above the tolerance's rounding
+    torch.testing.assert_close(theirs, ours, rtol=RELATIVE_TOLERANCE, atol=RELATIVE_TOLERANCE * scale.item())
 
 
 def test_refusals_are_one_error_line(exported, tmp_path, capsys):

@@ -7,7 +7,7 @@ import torch
 import sample
 from data.bpe import gpt2_encoding
 from errors import run_cli
-from tiny_gpt import tiny_model, write_checkpoint
+from tiny_gpt import tiny_model, trainer_logits, write_checkpoint
 from training.model_io import EOT, GPT2_VOCAB
 
 PROMPT = "The quick brown fox"
@@ -37,19 +37,6 @@ def test_a_run_folder_gives_its_newest_checkpoint(checkpoint):
     """--out-dir DIR reads the same checkpoint as --checkpoint DIR/ckpt_<step>.pt (the only one there)."""
     flags = ("--prompt", PROMPT, "--num-samples", "1", "--max-new-tokens", "6", "--seed", "3")
     assert texts("--out-dir", os.path.dirname(checkpoint), *flags) == texts("--checkpoint", checkpoint, *flags)
-
-
-def trainer_logits(model, idx):
-    """(B, T, GPT2_VOCAB) logits as GPT.forward (the trainer's path, not sample.py's) computes
-    them, read at the head; the padded vocabulary rows dropped."""
-    seen = []
-    hook = model.lm_head.register_forward_hook(lambda module, inputs, out: seen.append(out))
-    try:
-        with torch.no_grad():
-            model(idx, idx)
-    finally:
-        hook.remove()
-    return seen[0][..., :GPT2_VOCAB].float()
 
 
 def test_greedy_decoding_is_the_argmax_chain(checkpoint):
@@ -82,7 +69,7 @@ def argmax_chain(model, context, n):
     """n tokens, each the argmax of trainer_logits over the whole sequence so far."""
     idx = torch.tensor([context])
     for _ in range(n):
-        top2, top = trainer_logits(model, idx)[0, -1].topk(2)
+        top2, top = trainer_logits(model, idx, GPT2_VOCAB)[0, -1].topk(2)
         assert top2[0] - top2[1] > 1e-4  # no near-tie the two computations could break differently
         idx = torch.cat([idx, top[:1].view(1, 1)], dim=1)
     return idx[0, len(context):].tolist()

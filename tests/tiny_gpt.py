@@ -27,6 +27,19 @@ def tiny_model(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=50304, see
     return model.eval()
 
 
+def trainer_logits(model, idx, vocab=None):
+    """(B, T, vocab) float32 logits as GPT.forward (the trainer's path, not the tools' shared
+    training.model_io one) computes them, read at the head; rows past `vocab` dropped."""
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, out: seen.append(out))
+    try:
+        with torch.no_grad():
+            model(idx, idx)
+    finally:
+        hook.remove()
+    return seen[0][..., :vocab].float()
+
+
 def write_checkpoint(out_dir, model, step=7, assign="hetero"):
     """ckpt_<step>.pt in out_dir (with its SHA-256 manifest); returns its path."""
     cfg = model.cfg
