@@ -19,7 +19,9 @@
 #                                          up to N runs at a time, each one's output in its folder's
 #                                          train.log (N = 1: one after the other, output here). Default:
 #                                          paper 1; quick on CPU min(runs, cores, available memory / 1.5 GB),
-#                                          with OMP_NUM_THREADS = cores / N per run unless set; on a GPU 1
+#                                          with OMP_NUM_THREADS = cores / N per run unless set (a run
+#                                          that starts when fewer are left gets the cores they free);
+#                                          on a GPU 1
 #   bash run.sh report FOLDER...           the table and figure of existing run folders (tools/report.py)
 #   bash run.sh setup                      create .venv (if missing) and install requirements.txt
 #   bash run.sh demo [train flags...]      a tiny hetero run on the bundled sample text (~30 s)
@@ -137,10 +139,6 @@ ablation() {
     done
     grid_flags_clash
     setup
-    if [ $data_given = 0 ]; then  # no --data-dir among the flags: prepare the setting's data
-        if [ "$setting" = paper ]; then paper_data; else quick_data; fi
-        data=(--data-dir "$DATA_DIR")
-    fi
     if [ "$setting" = paper ]; then
         LAUNCH=("$VENV/bin/python" -m torch.distributed.run --standalone "--nproc_per_node=${NPROC:-8}")
         DEFAULTS=("${PAPER[@]}")
@@ -148,12 +146,18 @@ ablation() {
         LAUNCH=("$VENV/bin/python")
         DEFAULTS=("${QUICK[@]}")
     fi
-    DEFAULTS+=("${data[@]}")
     local name=$setting
     if [ "$command" = sweep ]; then name=sweep; [ "$setting" = quick ] || name=sweep-paper; fi
     RUNS_DIR=${RUNS_DIR:-runs/$name-$(date +%Y%m%d-%H%M%S)}
-    mkdir -p "$RUNS_DIR"
     plan_runs
+    if [ "$setting" = paper ]; then check_train_flags "${NPROC:-8}" $data_given
+    else check_train_flags 1 $data_given; fi
+    if [ $data_given = 0 ]; then  # no --data-dir among the flags: prepare the setting's data
+        if [ "$setting" = paper ]; then paper_data; else quick_data; fi
+        data=(--data-dir "$DATA_DIR")
+    fi
+    DEFAULTS+=("${data[@]}")
+    mkdir -p "$RUNS_DIR"
     n=${#PLAN_SPEC[@]}
     echo "== $n run(s) in $RUNS_DIR: ${SPECS[*]}${LRS[*]:+; Muon lr ${LRS[*]}}${SEEDS[*]:+; seeds ${SEEDS[*]}}"
     if [ -z "$JOBS_N" ]; then default_jobs "$setting" "$n"; fi
@@ -188,6 +192,51 @@ plan_runs() {
             done
         done
     done
+}
+
+# Checks the train flags of every planned run once, before any data is prepared, any folder made
+# or any run started: the trainer's own parse_args and validate_args at world size $1, and with
+# $2 = 1 (--data-dir given) the shards of --data-dir. A mistake stops run.sh with one `error:`
+# line (status 2); --help among the flags shows the trainer's help and stops (status 0).
+check_train_flags() {
+    local i rc=0
+    local -a plan=()
+    for ((i = 0; i < ${#PLAN_SPEC[@]}; i++)); do plan+=("${PLAN_SPEC[$i]}" "${PLAN_FLAGS[$i]}"); done
+    "$VENV/bin/python" - "$1" "$2" "${plan[@]}" -- "${DEFAULTS[@]}" "${FLAGS[@]}" <<'EOF' || rc=$?
+import contextlib, io, sys
+from errors import UserError, run_cli
+import train_gpt2
+sys.argv[0] = "train_gpt2.py"  # argparse's name for the trainer in --help
+
+def parse(argv):
+    said = io.StringIO()  # argparse's usage and message: only the message is shown
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            return train_gpt2.parse_args(argv)
+    except SystemExit as stop:
+        if stop.code == 0:  # --help
+            print(said.getvalue(), end="")
+            sys.exit(3)
+        raise UserError(said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]) from None
+
+def check(_):
+    world_size, check_data = int(sys.argv[1]), sys.argv[2] == "1"
+    end = sys.argv.index("--")
+    plan, common = sys.argv[3:end], sys.argv[end + 1:]
+    for spec, own in zip(plan[::2], plan[1::2]):  # each run: its --assign and its grid flags
+        args = parse([*common, *own.split(), "--assign", spec])
+        train_gpt2.validate_args(args, world_size)
+    if check_data:
+        for split in ("train", "val"):
+            train_gpt2.TokenStream(train_gpt2.find_shards(args.data_dir, split), args.vocab_size)
+
+run_cli(check)
+EOF
+    case $rc in
+        0) ;;
+        3) exit 0 ;;
+        *) exit 2 ;;
+    esac
 }
 
 # Sets CMD: the trainer's command line for planned run $1 (uses RESUME).
@@ -256,13 +305,15 @@ one_at_a_time() {
 
 # --jobs N > 1: up to N runs at a time in the background, each one's output in its folder's
 # train.log. A Ctrl-C reaches every run (one process group): each checkpoints and stops.
+# Unless OMP_NUM_THREADS is set, a run starts with the cores the running ones leave free, shared
+# with the runs that can start beside it: cores / N while N or more runs are left, all the cores
+# for a last run that starts alone.
 side_by_side() {
-    local next=0 running=0 stop=on i tag dir rc threads=${OMP_NUM_THREADS:-} live
-    local -a pid=()
-    local cores
+    local next=0 running=0 stop=on i tag dir rc threads=${OMP_NUM_THREADS:-} live cores busy=0 left
+    local -a pid=() held=()
     cores=$(count_cores)
-    if [ -z "$threads" ]; then threads=$((cores / JOBS_N)); [ "$threads" -ge 1 ] || threads=1; fi
-    echo "== up to $JOBS_N runs at a time$JOBS_WHY, OMP_NUM_THREADS=$threads each"
+    if [ -n "$threads" ]; then echo "== up to $JOBS_N runs at a time$JOBS_WHY, OMP_NUM_THREADS=$threads each"
+    else echo "== up to $JOBS_N runs at a time$JOBS_WHY, OMP_NUM_THREADS = the $cores cores shared among them"; fi
     echo "   each run's output goes to its folder's train.log (tail -f $LOG_GLOB to follow)"
     STOPPING=0
     # Ctrl-C: start no more runs, wait for the running ones to checkpoint. (Set before the runs
@@ -275,14 +326,20 @@ side_by_side() {
             prepare_run "$dir" "$tag" || continue
             [ "$STOPPING" = 0 ] || { next=$((next - 1)); break; }  # a Ctrl-C just now: not started
             mkdir -p "$dir"
-            echo "== $tag -> $dir${RESUME[*]:+ ${RESUME[*]}} (output: $dir/train.log)"
+            if [ -z "${OMP_NUM_THREADS:-}" ]; then  # the free cores over the runs that may start now
+                left=$((n - next + 1))                 # (this one and the later ones)
+                [ "$left" -le $((JOBS_N - running)) ] || left=$((JOBS_N - running))
+                threads=$(((cores - busy) / left))
+                [ "$threads" -ge 1 ] || threads=1
+            fi
+            echo "== $tag -> $dir${RESUME[*]:+ ${RESUME[*]}} (output: $dir/train.log, OMP_NUM_THREADS=$threads)"
             if [ ${#RESUME[@]} -gt 0 ] && [ "${RESUME[0]}" = --resume ]; then : >> "$dir/train.log"
             else : > "$dir/train.log"; fi
             train_command "$((next - 1))"
             ( export OMP_NUM_THREADS=$threads
               exec "${CMD[@]}" >> "$dir/train.log" 2>&1 ) &
-            pid[$next]=$!
-            running=$((running + 1))
+            pid[$next]=$! held[$next]=$threads
+            running=$((running + 1)) busy=$((busy + threads))
         done
         [ "$running" -gt 0 ] || break
         sleep 0.2 || true  # a Ctrl-C ends the sleep
@@ -291,8 +348,8 @@ side_by_side() {
             case $live in *" ${pid[$i]} "*) continue ;; esac
             rc=0
             wait "${pid[$i]}" || rc=$?
-            unset "pid[$i]"
-            running=$((running - 1))
+            running=$((running - 1)) busy=$((busy - held[$i]))
+            unset "pid[$i]" "held[$i]"
             dir=${PLAN_DIR[$((i - 1))]}
             finish_run "$i/$n" "${PLAN_TAG[$((i - 1))]}" "$dir" "$rc" "see $dir/train.log"
             case $OUTCOME in

@@ -177,3 +177,41 @@ def test_quick_jobs_2_gives_the_same_results_as_one_at_a_time(quick_one_at_a_tim
                                                                                         / "metrics.jsonl"))]
                   for folder in (one_runs, runs)]
         assert losses[0] == losses[1] and len(losses[0]) >= 6
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--no-such-flag"], "error: unrecognized arguments: --no-such-flag"),
+    (["--n-head", "3"], "error: --n-embd 32 is not divisible by --n-head 3"),
+    (["--data-dir", "/nonexistent"], "error: --data-dir /nonexistent does not exist"),
+])
+def test_a_train_flag_mistake_stops_before_any_run_once(flags, message, data_dir, tmp_path):
+    # checked once for all planned runs: one error line, no run started, no folder made
+    result = run_sh(tmp_path, "assign", "hetero", "all-stiefel", "--data-dir", data_dir, "--vocab-size", "64",
+                    *TINY, *flags, "--jobs", "2")
+    assert result.returncode == 2 and not (tmp_path / "runs").exists()
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith(message), result.stderr
+    assert "== [1/2]" not in result.stdout
+
+
+def test_a_bad_spec_is_one_error_and_help_shows_the_trainers(data_dir, tmp_path):
+    result = run_sh(tmp_path, "assign", "hetero", "attn=nonsense", "--data-dir", data_dir, *TINY)
+    assert result.returncode == 2 and result.stderr.count("error:") == 1 and "attn=nonsense" in result.stderr
+    assert not (tmp_path / "runs").exists()
+    result = run_sh(tmp_path, "assign", "hetero", "--data-dir", data_dir, "--help")
+    assert result.returncode == 0 and "usage: train_gpt2.py" in result.stdout and not (tmp_path / "runs").exists()
+
+
+def test_a_run_that_starts_alone_gets_all_the_cores(data_dir, tmp_path):
+    # OMP_NUM_THREADS unset: two runs side by side get half the cores each; a rerun where one is
+    # already completed starts the other alone, on every core
+    cores = len(os.sched_getaffinity(0))
+    args = ("assign", "hetero", "unconstrained", "--data-dir", data_dir, "--vocab-size", "64", *TINY, "--jobs", "2")
+    result = run_sh(tmp_path, *args, OMP_NUM_THREADS="")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count(f"OMP_NUM_THREADS={max(1, cores // 2)})") == 2, result.stdout
+    os.rename(tmp_path / "runs" / "unconstrained", tmp_path / "first")
+    result = run_sh(tmp_path, *args, OMP_NUM_THREADS="")
+    assert result.returncode == 0 and "hetero: already completed" in result.stdout
+    assert f"unconstrained -> {tmp_path / 'runs' / 'unconstrained'} (output: " in result.stdout
+    assert f"OMP_NUM_THREADS={cores})" in result.stdout, result.stdout
