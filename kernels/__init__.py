@@ -106,11 +106,6 @@ def tangent_projection(W, A, manifold, d2, backend="auto", tf32_correction=False
     return tangent.tangent_projection(W, A, manifold, d2, products_for(backend, W, A), tf32_correction)
 
 
-def dual_update(Lambda, H, M, manifold, d2, step, backend="auto"):
-    """Lambda - step P(sym(H M)) / (2 (d_i^2 + d_j^2)), the preconditioned dual step."""
-    return tangent.dual_update(Lambda, H, M, manifold, d2, step, products_for(backend, Lambda, H, M))
-
-
 def symmetric_part(A, X, backend="auto"):
     """(A^T X + X^T A) / 2."""
     return tangent.symmetric_part(A, X, products_for(backend, A, X))

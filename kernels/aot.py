@@ -33,9 +33,9 @@ SMEM_LIMITS = {80: 166_912, 90: 232_448}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPES = tuple(TORCH_DTYPES)
 POINTERS = {"sym_product": ("X", "C", "Out"), "matmul_add": ("B", "X", "C", "Out"),
-            "symmetric_gram": ("X", "Y", "D2", "Scale", "Base", "Out", "Sumsq")}
+            "symmetric_gram": ("X", "Y", "D2", "Scale", "Out", "Sumsq")}
 UNIT_STRIDES = {"sym_product": ("sxk", "scn", "son"), "matmul_add": ("sbk", "sxn", "scn", "son"),
-                "symmetric_gram": ("sxq", "syq", "sdq", "sbn", "son")}
+                "symmetric_gram": ("sxq", "syq", "sdq", "son")}
 FLOATS = ("alpha", "beta")
 ODD_INTS = ("sumsq_slots",)  # the number of 32-wide upper tiles: rarely a multiple of 16
 

@@ -47,8 +47,8 @@ def matmul_add(B, X, C, alpha=1.0, beta=1.0):
     return (C if beta == 1.0 else beta * C) + product
 
 
-def symmetric_gram(X, Y, zero_diagonal=False, d2=None, alpha=1.0, base=None, want_sumsq=False):
-    """(out, sumsq): T = P(X^T Y + Y^T X) for X, Y (..., p, q); out = base + alpha T / pair
+def symmetric_gram(X, Y, zero_diagonal=False, d2=None, alpha=1.0, want_sumsq=False):
+    """(out, sumsq): T = P(X^T Y + Y^T X) for X, Y (..., p, q); out = alpha T / pair
     (or alpha T without d2); sumsq = ||T||_F^2 per matrix, at least fp32 (None unless asked)."""
     XtY = operand(X).mT @ operand(Y)
     T = XtY + XtY.mT
@@ -62,4 +62,4 @@ def symmetric_gram(X, Y, zero_diagonal=False, d2=None, alpha=1.0, base=None, wan
         out = alpha.to(out.dtype)[..., None, None] * out
     elif alpha != 1.0:
         out = alpha * out
-    return (out if base is None else base + out), sumsq
+    return out, sumsq

@@ -4,7 +4,7 @@ Twin of `products_torch.py` (same functions, same arguments, same results up to 
 
     sym_product(X, alpha, C, beta)   = alpha X X^T + beta C                      (C symmetric)
     matmul_add(B, X, C, alpha, beta) = beta C + alpha B X
-    symmetric_gram(X, Y, ...)        = base + alpha P(X^T Y + Y^T X) / (d_i^2 + d_j^2),  ||P(.)||_F^2
+    symmetric_gram(X, Y, ...)        = alpha P(X^T Y + Y^T X) / (d_i^2 + d_j^2),  ||P(.)||_F^2
 
 Design:
 - One launch per bank: the grid is (tiles, batch), so a stack of same-shape matrices is one
@@ -14,12 +14,12 @@ Design:
   only, enumerated column by column (t = j (j + 1) / 2 + i, i <= j); each program writes its
   tile and, off the diagonal, the transposed tile. X X^T costs half of a full product, and so
   does S S^T = S^2 (S symmetric). Diagonal tiles are symmetrised so outputs are exactly
-  symmetric. Inputs said to be symmetric (C, base) are read on the upper tiles only.
+  symmetric. An input said to be symmetric (C) is read on the upper tiles only.
 - Everything after the dot products happens in the epilogue, in fp32, on the tile in registers:
   the scalars, the "+ beta C" identity term of a polynomial step, the DGram off-diagonal
   projection, the division by (d_i^2 + d_j^2), the per-matrix step size, the partial
   ||.||_F^2 for the stopping test (one slot per tile, summed afterwards: deterministic, unlike
-  atomics), and the dual update "base + ...". One pass over the output tiles, one store.
+  atomics). One pass over the output tiles, one store.
 - tl.dot accumulates in fp32. bf16/fp16 inputs feed the tensor cores directly. fp32 inputs use
   3xTF32 (about 22-bit products, close to fp32) under torch's default fp32 matmul precision,
   and plain TF32 where torch was told to allow TF32 for its own fp32 matmuls.
@@ -147,13 +147,13 @@ def _matmul_add_kernel(B, X, C, Out, alpha, beta, M, N, K,
              acc.to(Out.dtype.element_ty), mask=mask)
 
 
-def _symmetric_gram_kernel(X, Y, D2, Scale, Base, Out, Sumsq, alpha, P, Q, sumsq_slots,
-                           sxb, sxp, sxq, syb, syp, syq, sdb, sdq, sbb, sbm, sbn, sob, som, son,
+def _symmetric_gram_kernel(X, Y, D2, Scale, Out, Sumsq, alpha, P, Q, sumsq_slots,
+                           sxb, sxp, sxq, syb, syp, syq, sdb, sdq, sob, som, son,
                            ZERO_DIAGONAL: tl.constexpr, DIVIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                           HAS_BASE: tl.constexpr, WANT_SUMSQ: tl.constexpr,
+                           WANT_SUMSQ: tl.constexpr,
                            CAST_FP32: tl.constexpr, PRECISION: tl.constexpr,
                            BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Upper tiles of Out = base + alpha * scale_b * P(X^T Y + Y^T X) / (d2_i + d2_j) (Q x Q);
+    """Upper tiles of Out = alpha * scale_b * P(X^T Y + Y^T X) / (d2_i + d2_j) (Q x Q);
     X, Y are P x Q. Sumsq[b, t] = the tile's share of ||P(X^T Y + Y^T X)||_F^2."""
     t = tl.program_id(0)
     i, j = _upper_tile(t)
@@ -168,8 +168,6 @@ def _symmetric_gram_kernel(X, Y, D2, Scale, Base, Out, Sumsq, alpha, P, Q, sumsq
                          CAST_FP32, PRECISION, BLOCK_K)
     acc = _panel_product(acc, Y, syq, syp, X, sxp, sxq, cols_i, cols_j, Q, Q, P,
                          CAST_FP32, PRECISION, BLOCK_K)
-    mask_i = cols_i[:, None] < Q
-    mask_j = cols_j[None, :] < Q
     if i == j:
         acc = 0.5 * (acc + tl.trans(acc))
     if ZERO_DIAGONAL:  # DGram: P = Off
@@ -184,10 +182,6 @@ def _symmetric_gram_kernel(X, Y, D2, Scale, Base, Out, Sumsq, alpha, P, Q, sumsq
     acc = acc * alpha
     if HAS_SCALE:
         acc = acc * tl.load(Scale + batch).to(tl.float32)
-    if HAS_BASE:
-        base = tl.load(Base + batch * sbb + cols_i[:, None] * sbm + cols_j[None, :] * sbn,
-                       mask=mask_i & mask_j, other=0.0)
-        acc += base.to(tl.float32)
     _store_symmetric(Out + batch * sob, acc, i, j, cols_i, cols_j, Q, som, son)
 
 
@@ -338,17 +332,15 @@ def upper_tiles(n, block):
 # The constexpr flags the wrappers below launch each kernel with, for every call of the API
 # (kernels/matrix_sign.py, kernels/tangent.py): what an ahead-of-time build must cover.
 # tests/test_aot_compile.py checks the list against the wrappers' real launches.
-_GRAM_FLAGS = ("ZERO_DIAGONAL", "DIVIDE", "HAS_SCALE", "HAS_BASE", "WANT_SUMSQ")
+_GRAM_FLAGS = ("ZERO_DIAGONAL", "DIVIDE", "HAS_SCALE", "WANT_SUMSQ")
 WRAPPER_FLAGS = {
     "sym_product": [dict(HAS_C=False), dict(HAS_C=True)],
     "matmul_add": [{}],
     "symmetric_gram": [dict(zip(_GRAM_FLAGS, values)) for zero_diagonal in (False, True) for values in (
-        (zero_diagonal, False, False, False, False),     # tangent_residual, symmetric_part
-        (zero_diagonal, False, False, False, True),      # tangent_residual with ||H||^2
-        (zero_diagonal, True, False, False, False),      # preconditioned, alpha a float
-        (zero_diagonal, True, True, False, False),       # preconditioned, alpha per matrix
-        (zero_diagonal, True, False, True, False),       # dual_update, step a float
-        (zero_diagonal, True, True, True, False))],      # dual_update, step per matrix
+        (zero_diagonal, False, False, False),     # tangent_residual, symmetric_part
+        (zero_diagonal, False, False, True),      # tangent_residual with ||H||^2
+        (zero_diagonal, True, False, False),      # preconditioned, alpha a float
+        (zero_diagonal, True, True, False))],     # preconditioned, alpha per matrix
 }
 
 
@@ -402,9 +394,9 @@ def matmul_add(B, X, C, alpha=1.0, beta=1.0):
     return out.reshape(batch + (m, n))
 
 
-def symmetric_gram(X, Y, zero_diagonal=False, d2=None, alpha=1.0, base=None, want_sumsq=False):
+def symmetric_gram(X, Y, zero_diagonal=False, d2=None, alpha=1.0, want_sumsq=False):
     batch, q = X.shape[:-2], X.size(-1)
-    options = _check(dict(X=X.shape, Y=X.shape, base=batch + (q, q)), X=X, Y=Y, base=base)
+    options = _check(dict(X=X.shape, Y=X.shape), X=X, Y=Y)
     X3, Y3 = _batched(X), _batched(Y)
     b, p, q = X3.shape
     out = torch.empty(b, q, q, dtype=X.dtype, device=X.device)
@@ -412,14 +404,12 @@ def symmetric_gram(X, Y, zero_diagonal=False, d2=None, alpha=1.0, base=None, wan
     D2 = out[:, 0] if d2 is None else d2.expand(batch + (q,)).reshape(b, q)
     scale = isinstance(alpha, torch.Tensor)
     Scale = alpha.to(torch.float32).expand(batch).reshape(b) if scale else out
-    Base = out if base is None else _batched(base)
     slots = upper_tiles(q, SMALL)  # the most tiles any configuration has (none is narrower)
     Sumsq = torch.empty(b, slots, dtype=torch.float32, device=X.device) if want_sumsq else out
     grid = lambda meta: (upper_tiles(q, meta["BLOCK"]), b)  # noqa: E731
-    args = (X3, Y3, D2, Scale, Base, out, Sumsq, 1.0 if scale else float(alpha), p, q, slots,
-            *X3.stride(), *Y3.stride(), *D2.stride(), *Base.stride(), *out.stride())
-    flags = dict(ZERO_DIAGONAL=zero_diagonal, DIVIDE=d2 is not None, HAS_SCALE=scale,
-                 HAS_BASE=base is not None, WANT_SUMSQ=want_sumsq)
+    args = (X3, Y3, D2, Scale, out, Sumsq, 1.0 if scale else float(alpha), p, q, slots,
+            *X3.stride(), *Y3.stride(), *D2.stride(), *out.stride())
+    flags = dict(ZERO_DIAGONAL=zero_diagonal, DIVIDE=d2 is not None, HAS_SCALE=scale, WANT_SUMSQ=want_sumsq)
     config = _launch("symmetric_gram", grid, args, (q, q), (p, q, X.dtype, *flags.values()),
                      **flags, **options)
     # Only the slots of the tiling that ran: the autotuner's trials of narrower tilings leave

@@ -10,7 +10,6 @@ on the Triton backend), at most followed by one `matmul_add`:
     tangent_residual     H = P(W^T A + A^T W)         and ||H||_F^2 for the stopping test
     preconditioned       alpha P(W^T A + A^T W) / (d_i^2 + d_j^2)
     tangent_projection   A - W M,  M = P(W^T A + A^T W) / (d_i^2 + d_j^2)
-    dual_update          Lambda - step P(H M + M H) / (4 (d_i^2 + d_j^2))   (H, M symmetric)
     symmetric_part       (A^T X + X^T A) / 2
 """
 import torch
@@ -62,16 +61,6 @@ def correction_product(B, X, C, alpha, ops, tf32_correction):
         return ops.matmul_add(B, X, C, alpha=alpha)
     with tf32_products():
         return ops.matmul_add(B, X, C, alpha=alpha)
-
-
-def dual_update(Lambda, H, M, manifold, d2, step, ops):
-    """Lambda - step P(sym(H M)) / (2 (d_i^2 + d_j^2)) for symmetric H, M and Lambda;
-    step a float or one per matrix. sym(H M) = (H^T M + M^T H) / 2 is a symmetric Gram."""
-    zero_diagonal = _zero_diagonal(manifold)
-    if zero_diagonal is None:
-        return Lambda
-    alpha = -0.25 * step
-    return ops.symmetric_gram(H, M, zero_diagonal, d2=d2, alpha=alpha, base=Lambda)[0]
 
 
 def symmetric_part(A, X, ops):

@@ -12,8 +12,8 @@ symmetric q x q matrices) and by the squared column norms d^2 that scale its tan
 
 The tangent space at W is {A : P(W^T A + A^T W) = 0}. On the manifold W^T W = D^2, so
 for symmetric M in range(P),  W^T (W M) + (W M)^T W = D^2 M + M D^2,  entry (i, j) being
-(d_i^2 + d_j^2) M_ij. That one identity gives the exact tangent projection, the exact
-starting multiplier of the dual problem and its per-entry preconditioner.
+(d_i^2 + d_j^2) M_ij. That one identity gives the exact tangent projection and the exact
+multiplier Lambda0 = -P(W^T G + G^T W) / (2 (d_i^2 + d_j^2)) of the Euclidean projection of G.
 """
 import torch
 
@@ -77,10 +77,6 @@ class Manifold:
         """
         d2 = self.squared_norms(W) if d2 is None else d2
         return kernels.tangent_projection(W, A, self.kernel_name, d2, backend, tf32_correction)
-
-    def dual_update(self, Lambda, H, M, d2, step, backend="auto"):
-        """Lambda - step P(sym(H M)) / (2 (d_i^2 + d_j^2))."""
-        return kernels.dual_update(Lambda, H, M, self.kernel_name, d2, step, backend)
 
     def retract(self, X, near=True, backend="auto", tf32_correction=False):
         """Map X back onto the manifold; near=True assumes X is already close to it
@@ -213,11 +209,6 @@ class DGramCap(DGram):
         d2 = self.squared_norms(W) if d2 is None else d2
         return MaskedGram(self.pinned).tangent_projection(W, A, d2, backend, tf32_correction)
 
-    def dual_update(self, Lambda, H, M, d2, step, backend="auto"):
-        if self.pinned is None:
-            return super().dual_update(Lambda, H, M, d2, step, backend)
-        return MaskedGram(self.pinned).dual_update(Lambda, H, M, d2, step, backend)
-
     def column_scale(self, norms):
         return norms.clamp_max(self.cap)  # R(X) = msign(X N^-1) min(N, C)
 
@@ -267,9 +258,6 @@ class MaskedGram(Manifold):
             raise ValueError("MaskedGram needs the problems' squared column norms d2")
         M = self.preconditioned(W, A, d2, 1.0, backend)
         return correction_product(W, M, A, -1.0, kernels.products_for(backend, W, A), tf32_correction)
-
-    def dual_update(self, Lambda, H, M, d2, step, backend="auto"):
-        return self.gram_projector(kernels.dual_update(Lambda, H, M, "stiefel", d2, step, backend))
 
     def keeps_diagonal(self, W):
         return self.keep

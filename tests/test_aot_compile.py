@@ -62,7 +62,6 @@ def test_wrapper_flags_are_exactly_the_flag_sets_the_api_launches(monkeypatch):
             kernels.tangent_residual(W, A, manifold, backend="triton", with_norm=with_norm)
         for alpha in (0.5, per_matrix):
             kernels.preconditioned(W, A, manifold, d2, alpha, backend="triton")
-            kernels.dual_update(S, S, S, manifold, d2, alpha, backend="triton")
         kernels.tangent_projection(W, A, manifold, d2, backend="triton")
     kernels.symmetric_part(A, W, backend="triton")
     kernels.matmul_add(S, X, X, backend="triton")
@@ -97,8 +96,7 @@ def test_builds_specialise_arguments_as_triton_does_for_the_wrappers_calls(monke
     X, S = torch.randn(2, 64, 48, **bf16), torch.randn(2, 64, 64, **bf16)
     products_triton.sym_product(X, 0.5, S, 2.0)
     products_triton.matmul_add(S, X, X, 1.0, 0.5)
-    products_triton.symmetric_gram(X, X, True, d2=torch.ones(2, 48, **bf16), alpha=torch.ones(2),
-                                   base=torch.zeros(2, 48, 48, **bf16))
+    products_triton.symmetric_gram(X, X, True, d2=torch.ones(2, 48, **bf16), alpha=torch.ones(2))
     products_triton.symmetric_gram(X, X, want_sumsq=True)
     for name, args, constexprs in calls:
         arg_names = products_triton._jit[name].arg_names

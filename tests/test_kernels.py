@@ -313,23 +313,14 @@ def test_triton_tangent_ops_agree_with_torch(manifold, shape, dtype):
 
 
 @pytest.mark.parametrize("manifold, shape", TANGENT_CASES[:2])
-def test_fused_dual_update_agrees_and_freezes_zero_steps(manifold, shape):
+def test_fused_multiplier_and_symmetric_part_match_their_formulas(manifold, shape):
     W = on_manifold(shape, manifold, torch.float32)
     G, A = randn(*shape, seed=1), randn(*shape, seed=2)
     d2 = MANIFOLDS[manifold].squared_norms(W)
-    step = torch.tensor([0.5, 0.0, 1.0], device=DEVICE)  # the second matrix has converged
     Lambda = kernels.preconditioned(W, G, manifold, d2, alpha=-0.5, backend="triton")
-    H = kernels.tangent_residual(W, A, manifold, backend="triton")
     M = kernels.symmetric_part(A, G, backend="triton")
-    fused = kernels.dual_update(Lambda, H, M, manifold, d2, step, backend="triton")
-    # the unfused arithmetic of the dual step, written out
     pair = MANIFOLDS[manifold].pair_scale(W)  # (d_i^2 + d_j^2)
-    H_M = H @ M
-    sym = MANIFOLDS[manifold].gram_projector(0.5 * (H_M + H_M.mT))
-    expected = Lambda - step[:, None, None] * sym / (2 * pair)
-    assert max_error(fused, expected) < 1e-5 * float(expected.abs().max())
-    assert torch.equal(fused[1], Lambda[1])
-    # and its inputs: Lambda0 = -P(W^T G + G^T W) / (2 pair), M = sym(A^T G)
+    # Lambda0 = -P(W^T G + G^T W) / (2 pair), M = sym(A^T G)
     for got, want in ((Lambda, -MANIFOLDS[manifold].gram_projector(W.mT @ G + G.mT @ W) / (2 * pair)),
                       (M, 0.5 * (A.mT @ G + G.mT @ A))):
         assert max_error(got, want) < 1e-5 * float(want.abs().max())
