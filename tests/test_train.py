@@ -110,6 +110,66 @@ def test_training_is_deterministic(data_dir, tmp_path):
     assert a["final_train_loss"] == b["final_train_loss"] and a["final_val_loss"] == b["final_val_loss"]
 
 
+def optimizer_steps_recorded(monkeypatch):
+    """Each AdamW and ManifoldMuon step of a run, as (group lrs, sum of the squared gradients it
+    steps with), in the order they ran."""
+    from manifolds import ManifoldMuon
+    seen = {"adamw": [], "muon": []}
+
+    def recording(name, step):
+        def recorded(self, *args, **kwargs):
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            seen[name].append(([float(g["lr"]) for g in self.param_groups],
+                               float(sum(grad.double().square().sum() for grad in grads))))
+            return step(self, *args, **kwargs)
+        return recorded
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording("adamw", torch.optim.AdamW.step))
+    monkeypatch.setattr(ManifoldMuon, "step", recording("muon", ManifoldMuon.step))
+    return seen
+
+
+def test_the_lr_schedule_warms_up_decays_on_a_cosine_to_the_floor_and_muon_follows_it(data_dir, tmp_path,
+                                                                                       monkeypatch):
+    args = train_gpt2.parse_args(["--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "4", "--max-steps", "24"])
+    lrs = [train_gpt2.lr_at(step, args) for step in range(30)]
+    assert lrs[:5] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])  # linear to --lr, then the cosine's top
+    # cosine over the 20 steps after the warmup: min + (lr - min)(1 + cos(pi k / 20)) / 2
+    assert lrs[9] == pytest.approx(1e-4 + 9e-4 * (1 + math.cos(math.pi * 5 / 20)) / 2)
+    assert lrs[14] == pytest.approx(5.5e-4)  # halfway: the mean of --lr and --min-lr
+    assert all(a > b for a, b in zip(lrs[4:24], lrs[5:24]))
+    assert lrs[24:] == pytest.approx([1e-4] * 6)  # the floor from --max-steps on
+    # in a run: AdamW's groups take lr_at, every Muon group --muon-lr / --lr times it (the same shape)
+    seen = optimizer_steps_recorded(monkeypatch)
+    flags = ["--max-steps", "8", "--warmup-steps", "3", "--lr", "3e-3", "--min-lr", "3e-4", "--muon-lr", "0.05",
+             "--eval-every", "8", "--eval-tokens", "256"]
+    train(data_dir, tmp_path, *flags)
+    args = train_gpt2.parse_args(flags)
+    want = [train_gpt2.lr_at(step, args) for step in range(8)]
+    assert len(seen["adamw"]) == len(seen["muon"]) == 8
+    for (adamw, _), (muon, _), lr in zip(seen["adamw"], seen["muon"], want, strict=True):
+        assert adamw == pytest.approx([lr] * len(adamw), rel=1e-6)
+        assert muon and muon == pytest.approx([0.05 * lr / 3e-3] * len(muon), rel=1e-6)
+    assert [r["lr"] for r in read_rows(tmp_path) if "train_loss" in r] == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.0])
+def test_grad_clip_scales_the_global_gradient_norm_down_to_the_bound(clip, data_dir, tmp_path, monkeypatch):
+    # the optimizers step with gradients of global norm min(norm, --grad-clip); the metrics' grad_norm
+    # is the norm before the clip (0.5-0.7 here, so 0.05 clips every step); --grad-clip 0 is no clip
+    seen = optimizer_steps_recorded(monkeypatch)
+    train(data_dir, tmp_path, "--max-steps", "3", "--grad-clip", str(clip), "--eval-every", "3",
+          "--eval-tokens", "256")
+    before = [r["grad_norm"] for r in read_rows(tmp_path) if "train_loss" in r]
+    after = [math.sqrt(a + m) for (_, a), (_, m) in zip(seen["adamw"], seen["muon"], strict=True)]
+    assert len(before) == len(after) == 3
+    for norm, stepped in zip(before, after, strict=True):
+        if clip:
+            assert norm > 2 * clip and stepped == pytest.approx(clip, rel=1e-4)
+        else:
+            assert stepped == pytest.approx(norm, rel=1e-4)
+
+
 def test_batches_partition_the_global_batch_across_ranks(data_dir):
     # N ranks x accumulation K read exactly the sequences of 1 rank x accumulation N*K.
     stream = train_gpt2.TokenStream(train_gpt2.find_shards(data_dir, "train"), 64)
