@@ -452,3 +452,43 @@ def test_trainer_refuses_empty_data_dir(tmp_path):
     (tmp_path / "empty").mkdir()
     result = run_trainer(tmp_path / "empty", tmp_path / "out")
     assert result.returncode == 2 and "no train shards" in result.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# The trainer's loader: train_gpt2.TrainBatches
+
+
+def window_order(batches_by_rank, steps):
+    """The window of each global sequence the ranks' TrainBatches read in `steps`, in order:
+    step s, micro-step m, rank r, row b is sequence s*(world*accum*B) + (m*world + r)*B + b. The
+    stream is arange, so a window's first token / T is its index; each row is checked to be the
+    T + 1 consecutive tokens of one window."""
+    order = []
+    for step in steps:
+        for micro in range(batches_by_rank[0].accum):
+            for batches in batches_by_rank:
+                for row in batches.windows_of(step, micro).tolist():
+                    T = batches.T
+                    assert row == list(range(row[0], row[0] + T + 1)) and row[0] % T == 0
+                    order.append(row[0] // T)
+    return order
+
+
+def test_train_batches_visit_each_window_once_per_epoch_reshuffled_and_resume_in_place(tmp_path):
+    import train_gpt2
+    T, windows = 8, 21  # 4 sequences a step (2 ranks x accumulation 2): epochs end inside steps 5 and 10
+    write_shard(str(tmp_path / "train_000000.bin"), np.arange(T * windows + 1))
+    stream = train_gpt2.TokenStream([str(tmp_path / "train_000000.bin")], 2 ** 16)
+
+    def ranks(seed=7):
+        return [train_gpt2.TrainBatches(stream, T, 1, grad_accum=2, seed=seed, rank=r, world_size=2) for r in (0, 1)]
+
+    order = window_order(ranks(), range(11))  # 44 sequences: epochs 0 and 1, two of epoch 2
+    first, second = order[:windows], order[windows:2 * windows]
+    assert sorted(first) == sorted(second) == list(range(windows))
+    assert first != second and first != list(range(windows))  # each epoch its own shuffle
+    assert window_order(ranks(seed=8), range(11)) != order
+    # a resumed run builds new TrainBatches and starts at its checkpoint's step: inside epoch 1
+    # (step 6 reads sequences 24-27), at the step that crosses into epoch 1 (step 5: 20-23), in epoch 2
+    for resume in (5, 6, 10):
+        assert window_order(ranks(), range(resume, 11)) == order[4 * resume:]
