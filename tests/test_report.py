@@ -9,8 +9,9 @@ from tools import report
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def fake_run(folder, assign, evals, summary, started):
-    """A run folder as train_gpt2.py writes it: 10 train rows (opt_ms a quarter of step_ms)."""
+def fake_run(folder, assign, evals, summary, started, seconds=100):
+    """A run folder as train_gpt2.py writes it: 10 train rows (opt_ms a quarter of step_ms), its
+    files written from `started` to `started + seconds` (seconds since the epoch)."""
     os.makedirs(folder)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"assign": assign, "tokens_per_step": 1000}, f)
@@ -29,6 +30,9 @@ def fake_run(folder, assign, evals, summary, started):
     if summary is not None:
         with open(os.path.join(folder, "summary.json"), "w") as f:
             json.dump(summary, f)
+    for name in ("metrics.jsonl", "summary.json"):
+        if os.path.exists(os.path.join(folder, name)):
+            os.utime(os.path.join(folder, name), (started + seconds, started + seconds))
 
 
 def add_event(folder, row):
@@ -128,3 +132,43 @@ def test_runs_with_attention_stabilizers_are_their_own_rows(tmp_path):
                    "qk_norm": False}, f)
     labels = [r.label for r in report.find_runs([str(tmp_path)])]
     assert labels == ["all-dgram", "all-dgram +qk-clip 100 +softcap 50"]
+
+
+def test_runs_that_overlapped_in_time_are_said_to_share_the_machine(tmp_path):
+    done = {"status": "completed", "steps": 10, "tokens": 10000, "final_val_loss": 6.0, "diverged": None}
+    fake_run(tmp_path / "a", "hetero", [(10, 6.0, 3.0, 1.0, 2.0)], done, started=1000)
+    fake_run(tmp_path / "b", "all-dgram", [(10, 6.1, 3.0, 1.0, 2.0)], done, started=1050)  # beside a
+    fake_run(tmp_path / "c", "all-stiefel", [(10, 6.2, 3.0, 1.0, 1.0)], done, started=1200)  # alone, after
+    report.write_report([str(tmp_path)])
+    text = (tmp_path / "report.md").read_text()
+    speeds = {r[0]: r[4] for r in table_rows(text)}
+    assert speeds == {"`hetero`": "5,500 (shared)", "`all-dgram`": "5,500 (shared)", "`all-stiefel`": "5,500"}
+    assert "- `hetero` with `all-dgram`" in text and "- `all-dgram` with `hetero`" in text
+    assert "`all-stiefel` with" not in text
+    two_runs(tmp_path / "apart")  # one after the other: no note
+    report.write_report([str(tmp_path / "apart")])
+    assert "shared the machine" not in (tmp_path / "apart" / "report.md").read_text()
+
+
+def test_the_figure_shows_the_final_spread_and_fits_its_axes(tmp_path):
+    # three runs 0.02 nats apart at the end of a 10 -> 6 descent; Stiefel sigmas at exactly 1
+    done = {"status": "completed", "steps": 30, "tokens": 30000, "diverged": None}
+    for k, assign in enumerate(["hetero", "all-stiefel", "all-dgram"]):
+        evals = [(step, 6.0 + 4.0 / step + 0.02 * k, 2.0 + step / 10, 1.0, 1.0 if assign == "all-stiefel" else 2.0)
+                 for step in range(1, 31)]
+        fake_run(tmp_path / assign, assign, evals, {**done, "final_val_loss": evals[-1][1]}, started=1000 * k)
+    fig = report.draw(report.find_runs([str(tmp_path)]))
+    loss_ax, logit_ax, sigma_ax, prob_ax = fig.axes[:4]
+    (inset,) = loss_ax.child_axes
+    low, high = inset.get_ylim()  # the last third's values: the 0.04 between first and last run is most of it
+    assert low < 6.0 + 4 / 30 < 6.04 + 4 / 30 < high and high - low < 0.2
+    assert logit_ax.get_yscale() == "linear"  # 2.1 to 5: under a decade
+    assert prob_ax.get_ylim()[0] > 0.8 and prob_ax.get_ylim()[1] <= 1  # the data: 0.9 throughout
+    at_one = [tuple(line.get_xdata()[:1]) for line in sigma_ax.lines if set(line.get_ydata()) == {1.0}]
+    assert len(at_one) == 4 and len(set(at_one)) == 4  # hetero attn, all-stiefel attn and MLP, all-dgram attn
+    blown = report.Run(str(tmp_path / "hetero"))
+    blown.evals = [{**e, "attn_logit_max": [1.0, 300.0 if e["step"] > 20 else 2.0]} for e in blown.evals]
+    logit_ax = report.draw([blown]).axes[1]
+    assert logit_ax.get_yscale() == "log"  # above a decade: 1-2-5 ticks
+    ticks = [t for t in logit_ax.get_yticks() if logit_ax.get_ylim()[0] <= t <= logit_ax.get_ylim()[1]]
+    assert set(ticks) <= {1, 2, 5, 10, 20, 50, 100, 200, 500} and len(ticks) >= 4

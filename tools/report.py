@@ -11,7 +11,9 @@ and prints the table.
 Columns: final val loss (or how the run ended), steps, tokens, median tokens/s, optimizer share
 of step time (sum of opt_ms / sum of step_ms), and over all of the run's evaluations the largest
 attention logit (any layer) and the largest singular value of an attention (c_attn, its q and k
-blocks, attn.c_proj) and of an MLP (c_fc, mlp.c_proj) matrix.
+blocks, attn.c_proj) and of an MLP (c_fc, mlp.c_proj) matrix. Runs whose wall-clock times
+overlapped (run.sh --jobs N, or runs started by hand) shared the machine: the report names them
+and marks their tokens/s, which are then not speeds to compare.
 """
 import argparse
 import json
@@ -44,8 +46,15 @@ class Run:
 
     @property
     def started(self):
+        """When the trainer wrote config.json, at the run's start (seconds since the epoch)."""
         config = os.path.join(self.path, "config.json")
         return os.path.getmtime(config) if os.path.exists(config) else math.inf
+
+    @property
+    def ended(self):
+        """When the run last wrote metrics.jsonl or summary.json (its end, or its latest step)."""
+        return max(os.path.getmtime(p) for p in (os.path.join(self.path, "metrics.jsonl"),
+                                                 os.path.join(self.path, "summary.json")) if os.path.exists(p))
 
     @property
     def steps(self):
@@ -189,15 +198,23 @@ def name_folders(runs):
             r.label = f"{label} ({name})"
 
 
+def shared_machine(runs):
+    """{run: the other runs whose wall-clock time overlapped its own}, times from the run folders'
+    files (Run.started to Run.ended). A folder copied without its file times loses them."""
+    return {r: [o for o in runs if o is not r and o.started < r.ended and r.started < o.ended] for r in runs}
+
+
 def number(value, fmt):
     return format(value, fmt) if math.isfinite(value) else "n/a" if math.isnan(value) else str(value)
 
 
 def table(runs):
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    shared = shared_machine(runs)
     for r in runs:
         cells = [f"`{r.label}`", r.outcome(), str(r.steps), f"{r.tokens():,}",
-                 number(r.median_tokens_per_s(), ",.0f"), number(100 * r.optimizer_share(), ".0f") + "%",
+                 number(r.median_tokens_per_s(), ",.0f") + (" (shared)" if shared[r] else ""),
+                 number(100 * r.optimizer_share(), ".0f") + "%",
                  number(r.run_max("attn_logit_max"), ".2f"),
                  number(r.run_max("sigma_max", is_attention), ".3f"),
                  number(r.run_max("sigma_max", is_mlp), ".3f")]
@@ -250,6 +267,12 @@ def markdown(runs, figure_name):
            "Final val loss: the last evaluation of a completed run. Max attention logit and max σ: over "
            "all evaluations and layers (σ attention includes the q and k blocks of the fused QKV). "
            "tokens/s: median over steps; optimizer share: optimizer time / step time."]
+    shared = {r: others for r, others in shared_machine(runs).items() if others}
+    if shared:
+        out += ["", "These runs shared the machine (their wall-clock times overlapped, from config.json's "
+                    "write to the last of metrics.jsonl / summary.json): their tokens/s, marked (shared), were "
+                    "measured on cores the others used too, so they are not speeds to compare.", ""]
+        out += [f"- `{r.label}` with " + ", ".join(f"`{o.label}`" for o in others) for r, others in shared.items()]
     cost = diagnostics_cost(runs)
     if cost:
         out += ["", f"Diagnostics cost per evaluation: median {cost[1]:.1f} ms, {100 * cost[0]:.1f}% of the "
@@ -258,11 +281,23 @@ def markdown(runs, figure_name):
     return "\n".join(out)
 
 
+MARKERS = "osD^vP*Xph"
+
+
 def figure(runs, path):
+    import matplotlib.pyplot as plt
+
+    fig = draw(runs)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw(runs):
+    """The report's figure: val loss (with an inset of its last third), max attention logit, max
+    singular values and softmax saturation against steps, one color and marker per assignment."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FormatStrFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9), constrained_layout=True)
     loss_ax, logit_ax, sigma_ax, prob_ax = axes.flat
@@ -270,12 +305,20 @@ def figure(runs, path):
     finite = [e["val_loss"] for r in runs for e in r.evals if math.isfinite(e["val_loss"])]
     firsts = [r.evals[0]["val_loss"] for r in runs if r.evals and math.isfinite(r.evals[0]["val_loss"])]
     top = 1.05 * max(firsts) if firsts else None
-    colors = {}  # one color per assignment: its seeds share it
+    style = {}  # one color and marker per assignment: its seeds share them
     for r in runs:
-        colors.setdefault(r.assign, f"C{len(colors) % 10}")
+        style.setdefault(r.assign, {"color": f"C{len(style) % 10}", "marker": MARKERS[len(style) % len(MARKERS)]})
+    # curves that lie on one another (every sigma of a Stiefel matrix is 1) are drawn side by side:
+    # the sigma points of run k's attention (part 0) and MLP (part 1) move by a small fraction of
+    # the spacing between evaluations
+    steps = sorted({e["step"] for r in runs for e in r.evals})
+    spacing = min((b - a for a, b in zip(steps, steps[1:])), default=1)
+    slots = 2 * len(runs)
+    dodge = {(r, part): 0.5 * spacing * ((2 * k + part + 0.5) / slots - 0.5)
+             for k, r in enumerate(runs) for part in (0, 1)}
     labelled = set()
     for r in runs:
-        color = colors[r.assign]
+        look = dict(ms=4, **style[r.assign])
         if r.diverged_step:
             label = f"{r.label} (diverged at step {r.diverged_step})"
         elif r.assign in labelled:
@@ -283,32 +326,86 @@ def figure(runs, path):
         else:
             label = r.assign
         labelled.add(r.assign)
-        loss_ax.plot([e["step"] for e in r.evals], [e["val_loss"] for e in r.evals], "o-", ms=3, color=color,
-                     label=label)
-        logit_ax.plot(*r.over_evals("attn_logit_max"), "o-", ms=3, color=color)
-        sigma_ax.plot(*r.over_evals("sigma_max", is_attention), "o-", ms=3, color=color)
-        sigma_ax.plot(*r.over_evals("sigma_max", is_mlp), "s--", ms=3, color=color, alpha=0.7)
-        prob_ax.plot(*r.over_evals("softmax_max_prob"), "o-", ms=3, color=color)
+        loss_ax.plot([e["step"] for e in r.evals], [e["val_loss"] for e in r.evals], "-", label=label, **look)
+        logit_ax.plot(*r.over_evals("attn_logit_max"), "-", **look)
+        for part, (select, line, fill) in enumerate(((is_attention, "-", look["color"]), (is_mlp, "--", "white"))):
+            x, y = r.over_evals("sigma_max", select)
+            sigma_ax.plot([s + dodge[r, part] for s in x], y, line, mfc=fill, **look)
+        prob_ax.plot(*r.over_evals("softmax_max_prob"), "-", **look)
         if r.diverged_step:
             for ax in axes.flat:
-                ax.axvline(r.diverged_step, color=color, ls=":", lw=1.5)
+                ax.axvline(r.diverged_step, color=look["color"], ls=":", lw=1.5)
             if top is not None:
-                loss_ax.plot([r.diverged_step], [top], "x", color=color, ms=10, mew=2, clip_on=False)
+                loss_ax.plot([r.diverged_step], [top], "x", color=look["color"], ms=10, mew=2, clip_on=False)
     if top is not None:
         loss_ax.set_ylim(min(finite) - 0.05 * (top - min(finite)), top)
     loss_ax.set(title="validation loss (x and dotted line: divergence)", xlabel="step", ylabel="val loss")
-    logit_ax.set(title="attention logit: max |q.k|/sqrt(d_head) over layers", xlabel="step", yscale="log")
-    sigma_ax.set(title="largest singular value: attention (solid), MLP (dashed)", xlabel="step", yscale="log")
-    prob_ax.set(title="softmax saturation: mean max probability (max over layers)", xlabel="step",
-                ylim=(0, 1.02))
-    loss_ax.legend(fontsize=8)
+    loss_zoom(loss_ax, runs, style)
+    logit_ax.set(title="attention logit: max |q.k|/sqrt(d_head) over layers", xlabel="step")
+    sigma_ax.set(title="largest singular value: attention (solid), MLP (dashed, open markers)", xlabel="step")
+    prob_ax.set(title="softmax saturation: mean max probability (max over layers)", xlabel="step")
+    fit_scale(logit_ax, [v for r in runs for v in r.over_evals("attn_logit_max")[1]])
+    fit_scale(sigma_ax, [v for r in runs for select in (is_attention, is_mlp)
+                         for v in r.over_evals("sigma_max", select)[1]])
+    fit_limits(prob_ax, [v for r in runs for v in r.over_evals("softmax_max_prob")[1]], 0, 1)
+    on_one = [f"{r.label} {part}" for r in runs for part, select in (("attn", is_attention), ("MLP", is_mlp))
+              if r.over_evals("sigma_max", select)[1]
+              and all(abs(v - 1) < 1e-3 for v in r.over_evals("sigma_max", select)[1])]
+    if on_one:
+        sigma_ax.text(0.01, 0.99, "at σ = 1 throughout (drawn side by side): " + ", ".join(on_one),
+                      transform=sigma_ax.transAxes, va="top", fontsize=7, wrap=True)
+    loss_ax.legend(fontsize=8, loc="lower left")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-    for ax in (logit_ax, sigma_ax):  # plain numbers on the log axes
-        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def loss_zoom(loss_ax, runs, style):
+    """An inset of the last third of the evaluations with its own y-limits, so that the final
+    spread between runs (often a few hundredths of a nat under a range of several nats) shows."""
+    last = max((e["step"] for r in runs for e in r.evals), default=0)
+    start = last * 2 / 3
+    window = {r: [e for e in r.evals if e["step"] >= start and math.isfinite(e["val_loss"])]
+              for r in runs if not r.diverged_step}
+    values = [e["val_loss"] for rows in window.values() for e in rows]
+    if len(values) < 2 or max(values) == min(values):
+        return
+    inset = loss_ax.inset_axes([0.45, 0.45, 0.53, 0.5])
+    for r, rows in window.items():
+        inset.plot([e["step"] for e in rows], [e["val_loss"] for e in rows], "-", ms=4, **style[r.assign])
+        if rows:  # the final value, written at the curve's end
+            inset.annotate(f"{rows[-1]['val_loss']:.3f}", (rows[-1]["step"], rows[-1]["val_loss"]),
+                           xytext=(4, 0), textcoords="offset points", va="center", fontsize=7,
+                           color=style[r.assign]["color"])
+    fit_limits(inset, values)
+    inset.set_xlim(start - 0.02 * last, last * 1.08)  # room for the final values' labels
+    inset.set_title(f"last third (steps {start:.0f}-{last})", fontsize=8)
+    inset.tick_params(labelsize=7)
+    inset.grid(alpha=0.3)
+
+
+def fit_limits(ax, values, lowest=-math.inf, highest=math.inf):
+    """y-limits around the finite values, 8% of their range (at least 0.01) beyond each end."""
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return
+    pad = max(0.08 * (max(values) - min(values)), 0.01)
+    ax.set_ylim(max(lowest, min(values) - pad), min(highest, max(values) + pad))
+
+
+def fit_scale(ax, values):
+    """A log axis with ticks at 1, 2 and 5 times the powers of ten where the values span more than a
+    decade (a blown-up run), else a linear axis with its usual ticks."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    values = [v for v in values if math.isfinite(v) and v > 0]
+    if values and max(values) / min(values) > 10:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    else:
+        fit_limits(ax, values)
 
 
 def write_report(paths, out_dir=None):
