@@ -6,7 +6,8 @@ import torch
 
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
 from manifolds.dual import SolverOptions, solve_tall
-from manifolds.geometry import MANIFOLDS
+from manifolds.geometry import MANIFOLDS, geometry
+from manifolds.plan import plan_for
 from manifolds.optimum import optimum, quality, random_point
 
 SHAPES = {"tall": (48, 16), "wide": (16, 48), "square": (40, 40)}
@@ -134,15 +135,15 @@ def test_square_stiefel_direction_is_exact():
 
 
 def test_square_dgram_hard_case_ends_tangent():
-    # The dual optimum is degenerate here; the returned direction must still be feasible.
+    # The dual optimum is degenerate here; ADMM's direction (on the full matrices: a square
+    # matrix has no smaller span problem) must still be feasible, and near the optimum.
     W, G = random_point((32, 32), "dgram", seed=4)
     opt, _ = optimum(W, G, "dgram")
-    for solver in ("dual", "admm"):
-        A = steepest_direction(W, G, "dgram", solver=solver)
-        H = MANIFOLDS["dgram"].tangent_residual(W.double(), A.double())
-        assert H.abs().max() < 1e-5
-        assert torch.linalg.matrix_norm(A.double(), ord=2) <= 1.01
-    assert quality(W, G, steepest_direction(W, G, "dgram"), opt) >= 0.97
+    A = steepest_direction(W, G, "dgram")
+    H = MANIFOLDS["dgram"].tangent_residual(W.double(), A.double())
+    assert H.abs().max() < 1e-5
+    assert torch.linalg.matrix_norm(A.double(), ord=2) <= 1.01
+    assert quality(W, G, A, opt) >= 0.97
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
@@ -150,16 +151,17 @@ def test_batch_equals_matrix_by_matrix(manifold):
     pairs = [random_point((36, 12), manifold, seed=s) for s in range(3)]
     W = torch.stack([w for w, _ in pairs])
     G = torch.stack([g for _, g in pairs])
-    batched = steepest_direction(W, G, manifold, tol=0.0)
+    # tol far below fp32 rounding: every matrix runs the whole budget, alone or in the batch
+    batched = steepest_direction(W, G, manifold, tol=1e-12)
     for i, (w, g) in enumerate(pairs):
-        single = steepest_direction(w, g, manifold, tol=0.0)
+        single = steepest_direction(w, g, manifold, tol=1e-12)
         assert torch.allclose(batched[i], single, atol=1e-5)
 
 
 def test_direction_ignores_gradient_scale():
     W, G = random_point((36, 12), "dgram", seed=5)
-    a = steepest_direction(W, G, "dgram", tol=0.0)
-    b = steepest_direction(W, 1e-4 * G, "dgram", tol=0.0)
+    a = steepest_direction(W, G, "dgram", tol=1e-12)
+    b = steepest_direction(W, 1e-4 * G, "dgram", tol=1e-12)
     assert torch.allclose(a, b, atol=1e-4)
 
 
@@ -169,10 +171,21 @@ def test_unknown_solver_option_is_rejected():
         steepest_direction(W, G, "stiefel", dual_stepz=3)
 
 
-def test_adaptive_exit_stops_early_when_converged():
+def test_square_stiefel_runs_no_iterations():
     W, G = random_point((24, 24), "stiefel", seed=7)  # solved exactly by the first multiplier
-    sol = solve_tall(W, G, "stiefel", None, SolverOptions(dual_steps=20))
-    assert sol.iterations == 0
+    sol = solve_tall(W, G, geometry("stiefel"), None, plan_for(SolverOptions(iterations=20), "cpu"))
+    assert sol.iterations == 0 and sol.state is None  # nothing to iterate, no warm start to keep
+
+
+def test_adaptive_exit_stops_early_when_converged():
+    # A cold tall solve has a budget of 2 x iterations = 40; it converges (tol 1e-4) well before.
+    # Checked every CHECK_EVERY iterations when not capturable; capturable runs the whole budget
+    # with converged matrices frozen, which must give the early exit's answer.
+    W, G = random_point((48, 16), "stiefel", seed=7)
+    early = solve_tall(W, G, geometry("stiefel"), None, plan_for(SolverOptions(iterations=20, capturable=False), "cpu"))
+    full = solve_tall(W, G, geometry("stiefel"), None, plan_for(SolverOptions(iterations=20, capturable=True), "cpu"))
+    assert early.iterations < 40 and full.iterations == 40
+    assert torch.equal(early.A, full.A)
 
 
 # --- the optimizer ------------------------------------------------------------------------
@@ -223,14 +236,14 @@ def test_manifold_step_has_spectral_size_lr():
 def test_state_dict_resume_is_bitwise():
     def run(steps, resume_at=None):
         params = make_bank("dgram", [(48, 16), (48, 16)], seed=1)
-        opt = ManifoldMuon([{"params": params, "manifold": "dgram"}], lr=0.05, admm_steps=4)
+        opt = ManifoldMuon([{"params": params, "manifold": "dgram"}], lr=0.05, iterations=4)
         gen = torch.Generator().manual_seed(2)
         for k in range(steps):
             if k == resume_at:
                 saved_p = [p.detach().clone() for p in params]
                 saved = opt.state_dict()
                 params = [torch.nn.Parameter(s) for s in saved_p]
-                opt = ManifoldMuon([{"params": params, "manifold": "dgram"}], lr=0.05, admm_steps=4)
+                opt = ManifoldMuon([{"params": params, "manifold": "dgram"}], lr=0.05, iterations=4)
                 opt.load_state_dict(saved)
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen)
@@ -245,9 +258,11 @@ def test_state_dict_resume_is_bitwise():
 def test_group_overrides_and_validation():
     a, b = make_bank("stiefel", [(32, 8)]), make_bank("dgram", [(32, 8)])
     opt = ManifoldMuon([{"params": a, "manifold": "stiefel", "lr": 0.1},
-                        {"params": b, "manifold": "dgram", "admm_steps": 3}], lr=0.02)
+                        {"params": b, "manifold": "dgram", "dgram_cap": 2.0}], lr=0.02)
     assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[1]["lr"] == 0.02
-    assert opt.param_groups[1]["admm_steps"] == 3
+    assert opt.param_groups[0]["dgram_cap"] == 1.0 and opt.param_groups[1]["dgram_cap"] == 2.0
+    with pytest.raises(TypeError, match="unknown solver options"):
+        ManifoldMuon([{"params": a, "manifold": "stiefel"}], admm_steps=3)  # a renamed option
     with pytest.raises(ValueError, match="unknown manifold"):
         ManifoldMuon([{"params": make_bank("none", [(4, 4)]), "manifold": "sphere"}])
     with pytest.raises(ValueError, match="matrices"):
@@ -270,13 +285,26 @@ def test_banks_group_same_shapes():
 def test_tall_banks_survive_a_nearly_rank_deficient_momentum(manifold):
     # Momenta of low rank (seen in training: an attention matrix at lr 0.2) make span[W, G]
     # nearly singular; its coefficient arithmetic then loses all precision (it returned NaN).
-    # The solver must notice and solve on the full matrices.
-    for rank, seed in [(2, 0), (8, 1)]:
+    # The lift must notice, per matrix and in both modes, and return the fallback: the Euclidean
+    # tangent projection of G at unit spectral norm, counted. Rank 2 takes it; rank 8 is still
+    # solved precisely in span coordinates.
+    geo = geometry(manifold)
+    for rank, seed, fallback in [(2, 0, True), (8, 1, False)]:
         W, _ = random_point((96, 32), manifold, seed)
         g = torch.Generator().manual_seed(seed)
         G = torch.randn(96, rank, generator=g) @ torch.randn(rank, 32, generator=g)
         G = G + 1e-6 * torch.randn(96, 32, generator=g)
-        A = steepest_direction(W, G, manifold)
-        assert torch.isfinite(A).all()
         opt, _ = optimum(W, G, manifold, iters=1500)
-        assert quality(W, G, A, opt) >= 0.97
+        for capturable in (False, True):
+            sol = solve_tall(W[None], G[None], geo, None, plan_for(SolverOptions(capturable=capturable), "cpu"))
+            A = sol.A[0]
+            assert torch.isfinite(A).all()
+            assert int(sol.fallbacks) == int(fallback)
+            assert geo.tangent_residual(W.double(), A.double()).abs().max() <= 1e-4
+            assert torch.linalg.matrix_norm(A.double(), ord=2) <= 1.01
+            if fallback:
+                T = geo.tangent_projection(W.double(), G.double())
+                T = T / torch.linalg.matrix_norm(T, ord=2)
+                torch.testing.assert_close(A.double(), T, rtol=0, atol=1e-5 * T.abs().max().item())
+            else:
+                assert quality(W, G, A, opt) >= 0.97
