@@ -10,6 +10,7 @@ use AdamW. Sections: config -> data -> model -> optimizers -> loop -> eval and o
 import argparse
 import collections
 import contextlib
+import dataclasses
 import glob
 import itertools
 import json
@@ -30,19 +31,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data.progress import require_finished
 from data.shards import ShardError, ShardReader
-from errors import UserError, WriteError, run_cli, write_error
+from errors import UserError, WriteError, run_cli
 from kernels import BACKENDS as KERNEL_BACKENDS, check_backend
 from kernels.logit_max import causal_logit_max
-from training.checkpoints import (checkpoint_path, load_checkpoint, load_newest, save_atomic, save_checkpoint,
-                                  write_text_atomic)
+from training.checkpoints import (checkpoint_path, checkpoint_payload, find_resume_checkpoint, restore, save_atomic,
+                                  save_checkpoint)
 from training.auto_assign import AutoAssign
 from training.diagnostics import AttentionProbe, matrix_stats
 from training.qk_clip import QKClip
-from training.run_dir import RunLock, check_shared_out_dir, remove_leftovers
+from training.run_dir import RunLock, check_out_dir, check_shared_out_dir, clear_run, remove_leftovers
+from training.run_log import RunLog, write_json
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
 from manifolds.assignment import MATRIX_KEYS, parse_assignment, qkv_blocks
-from manifolds.optimizer import SOLVER_DEFAULTS
+from manifolds.dual import SolverOptions
 from manifolds.step_graph import StepGraph, lr_in_device_tensors
 
 # ----------------------------------------------------------------------------------------
@@ -50,12 +52,33 @@ from manifolds.step_graph import StepGraph, lr_in_device_tensors
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the module docstring's layout and shows every default."""
+    """--help keeps the module docstring's layout and shows every default that says something
+    (not None, nor --solver-opt's empty list)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def parse_args(argv=None):
+    return build_parser().parse_args(argv)
+
+
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    a = p.add_argument_group("run")
+    add_run_flags(p.add_argument_group("run"))
+    add_auto_assign_flags(p.add_argument_group("automatic assignment (--assign auto)"))
+    add_model_flags(p.add_argument_group("model (GPT-2 small by default)"))
+    add_stabilizer_flags(p.add_argument_group("attention-logit stabilizers (combine with any --assign)"))
+    add_training_flags(p.add_argument_group("training"))
+    add_solver_flags(p.add_argument_group("manifold Muon's solver"))
+    add_eval_flags(p.add_argument_group("evaluation and logging"))
+    add_checkpoint_flags(p.add_argument_group("checkpoints and failures"))
+    return p
+
+
+def add_run_flags(a):
     a.add_argument("--assign", default="hetero",
                    help="manifold per module: a preset (unconstrained, all-stiefel, all-dgram, hetero, "
                         "hetero-inv, hetero-qk), `auto` (see --auto-*), or key=manifold[,...] with keys "
@@ -81,7 +104,9 @@ def parse_args(argv=None):
     a.add_argument("--dgram-cap", type=float, default=1.0,
                    help="column-norm cap C of the dgram-cap manifold (singular values <= C; C = 1 bounds "
                         "attention logits as Stiefel does while letting columns shrink)")
-    u = p.add_argument_group("automatic assignment (--assign auto)")
+
+
+def add_auto_assign_flags(u):
     u.add_argument("--auto-base", default="all-dgram",
                    help="the assignment every block starts from (a preset or key=manifold spec)")
     u.add_argument("--auto-logit-max", type=float, default=10.0,
@@ -92,13 +117,17 @@ def parse_args(argv=None):
     u.add_argument("--auto-sigma-growth", type=float, default=4.0,
                    help="... or the largest singular value of its attention matrices has grown this many "
                         "times since the first eval (0 = off)")
-    m = p.add_argument_group("model (GPT-2 small by default)")
+
+
+def add_model_flags(m):
     m.add_argument("--n-layer", type=int, default=12, help="transformer blocks")
     m.add_argument("--n-head", type=int, default=12, help="attention heads")
     m.add_argument("--n-embd", type=int, default=768, help="model width")
     m.add_argument("--seq-len", type=int, default=1024, help="context length in tokens")
     m.add_argument("--vocab-size", type=int, default=50304, help="embedding rows (GPT-2's 50257 padded)")
-    s = p.add_argument_group("attention-logit stabilizers (combine with any --assign)")
+
+
+def add_stabilizer_flags(s):
     s.add_argument("--qk-norm", action="store_true",
                    help="RMS-normalise q and k per head with a learned gain (Wortsman et al. 2023; modded-nanogpt)")
     s.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU",
@@ -109,7 +138,9 @@ def parse_args(argv=None):
     s.add_argument("--attn-softcap", type=float, default=0.0, metavar="C",
                    help="soft-cap the attention logits to C tanh(logits / C) (Gemma 2: 50); needs explicit "
                         "logits instead of the fused attention kernel; 0 = off")
-    t = p.add_argument_group("training")
+
+
+def add_training_flags(t):
     t.add_argument("--total-batch-size", type=int, default=64,
                    help="sequences per optimizer step over all processes (the published 64 x 1024 tokens); "
                         "gradient accumulation = total / (--batch-size x processes), a whole number")
@@ -130,53 +161,35 @@ def parse_args(argv=None):
     t.add_argument("--weight-decay", type=float, default=0.1,
                    help="decoupled weight decay of AdamW 2-D tensors and of unconstrained Muon matrices")
     t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
-    t.add_argument("--dual-steps", type=int, default=8,
-                   help="most multiplier updates of the dual-ascent solver (square Stiefel matrices)")
-    t.add_argument("--admm-steps", type=int, default=SOLVER_DEFAULTS["admm_steps"],
-                   help="most iterations of the ADMM solver (all other constrained matrices) from the previous "
-                        "step's warm start; twice that from a cold start and again for near-square matrices")
-    t.add_argument("--admm-pullbacks", type=int, default=SOLVER_DEFAULTS["admm_pullbacks"],
-                   help="rounds that pull the singular values of ADMM's answer above 1 back to 1 and project it "
-                        "onto the tangent space again (about a third of an iteration each; 0 = none); "
-                        "bench/RESULTS.md measures them on real momenta")
-    t.add_argument("--admm-rho-warm", type=float, default=SOLVER_DEFAULTS["admm_rho_warm"],
-                   help="ADMM's penalty from a warm start, relative to the spectral norm of the projected "
-                        "momentum (a cold start uses 0.5); bench/RESULTS.md measures it on real momenta")
-    t.add_argument("--admm-rho-growth", type=float, default=SOLVER_DEFAULTS["admm_rho_growth"],
-                   help="from a warm start ADMM's penalty grows by this factor per iteration (1 = constant); "
-                        "bench/RESULTS.md measures it on real momenta")
-    t.add_argument("--admm-warm-average", type=float, default=SOLVER_DEFAULTS["admm_warm_average"],
-                   help="ADMM's warm start for the next step keeps this fraction of the one the step started "
-                        "from, the rest is the step's own correction (0 = its own; in [0, 1)); "
-                        "bench/RESULTS.md measures it on real momenta")
-    t.add_argument("--clip", choices=("auto", "eigh", "polynomial"), default="auto",
-                   help="ADMM's polar factor and spectral clip: eigendecomposition of the q x q Gram, or "
-                        "Polar Express kernels; auto = eigh on CPU, polynomial on GPU")
-    t.add_argument("--capturable", choices=("auto", "on", "off"), default="auto",
-                   help="sync-free optimizer step: fixed iteration budgets and every decision on the device "
-                        "(no host syncs; the iterations an early exit would save are run); auto = on on GPU")
-    t.add_argument("--cuda-graph", choices=("off", "on"), default="off",
-                   help="replay the Muon step from one CUDA graph, captured at the third step of the process "
-                        "(no launch overhead; needs the sync-free step: --capturable auto on GPU, or on); the lr "
-                        "then lives in device tensors. On CPU the replay is emulated (manifolds/step_graph.py), "
-                        "for checking only")
-    t.add_argument("--solver-precision", choices=("auto", "fp32", "tf32", "bf16"), default="auto",
-                   help="ADMM's inner iterations: fp32 (3xTF32 kernels on GPU), tf32 (TF32 tensor cores, "
-                        "fp32 accumulation; emulated on CPU; the starting polar factor and the clip's q x q "
-                        "sign in bf16), or bf16; the final projection and retraction "
-                        "stay fp32 (at tf32 the retraction's small corrections are TF32 products added in "
-                        "fp32); auto = tf32 on GPU, fp32 on CPU (bf16 costs direction quality, tf32 "
-                        "does not measurably: bench/RESULTS.md)")
-    t.add_argument("--solver", choices=("auto", "dual", "admm"), default="auto",
-                   help="steepest-direction solver; auto picks by shape and manifold")
-    t.add_argument("--kernels", choices=KERNEL_BACKENDS, default="auto",
+
+
+def add_solver_flags(v):
+    v.add_argument("--kernels", choices=KERNEL_BACKENDS, default="auto",
                    help="optimizer kernels: fused triton, plain torch, or auto (triton on cuda)")
-    e = p.add_argument_group("evaluation and logging")
+    v.add_argument("--solver-precision", choices=("auto", "fp32", "tf32", "bf16"), default="auto",
+                   help="ADMM's inner iterations: fp32 (3xTF32 kernels on GPU), tf32 (TF32 tensor cores, "
+                        "fp32 accumulation; emulated on CPU), or bf16; the final projection and retraction "
+                        "stay fp32; auto = tf32 on GPU, fp32 on CPU (bf16 costs direction quality, tf32 "
+                        "does not measurably: docs/solver-tuning.md)")
+    v.add_argument("--cuda-graph", choices=("off", "on"), default="off",
+                   help="replay the Muon step from one CUDA graph, captured at the third step of the process "
+                        "(no launch overhead; needs the sync-free step: capturable auto on GPU, or "
+                        "--solver-opt capturable=on); the lr then lives in device tensors. On CPU the replay "
+                        "is emulated (manifolds/step_graph.py), for checking only")
+    v.add_argument("--solver-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="set one solver option, for experiments and sweeps (repeat the flag for several; "
+                        "the defaults are what runs). Keys and defaults: "
+                        + ", ".join(f"{key}={show_value(value)}" for key, value in solver_opt_defaults().items()))
+
+
+def add_eval_flags(e):
     e.add_argument("--eval-every", type=int, default=250, help="evaluate every N steps (and at the end)")
     e.add_argument("--eval-tokens", type=int, default=10_485_760,
                    help="validation tokens per evaluation: a fixed prefix of the val shards")
     e.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps")
-    r = p.add_argument_group("checkpoints and failures")
+
+
+def add_checkpoint_flags(r):
     r.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps (0 = only on interrupt)")
     r.add_argument("--keep-ckpts", type=int, default=2, help="how many rotating checkpoints to keep")
     r.add_argument("--resume", default=None, metavar="auto|PATH",
@@ -188,12 +201,86 @@ def parse_args(argv=None):
                         "(as does a non-finite loss)")
     r.add_argument("--on-diverge", choices=("stop", "continue"), default="stop",
                    help="stop: checkpoint for post-mortem and exit with status 3; continue: record and go on")
-    return p.parse_args(argv)
+
+
+# SolverOptions fields that users choose through flags of their own, not --solver-opt
+SOLVER_FLAG_OPTIONS = {"backend": "--kernels", "precision": "--solver-precision", "dgram_cap": "--dgram-cap"}
+
+
+def solver_opt_defaults():
+    """{key: default} of the SolverOptions fields that --solver-opt sets."""
+    return {f.name: f.default for f in dataclasses.fields(SolverOptions) if f.name not in SOLVER_FLAG_OPTIONS}
+
+
+def show_value(value):
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+def solver_value_kind(key, default):
+    """What --solver-opt KEY takes, from the type of KEY's default: "switch" (on/off) for a bool,
+    "auto-or-switch" for a field that defaults to "auto" without being typed str (capturable),
+    else the default's type name (int, float, str)."""
+    field_type = {f.name: f.type for f in dataclasses.fields(SolverOptions)}[key]
+    if isinstance(default, bool):
+        return "switch"
+    if default == "auto" and field_type not in (str, "str"):
+        return "auto-or-switch"
+    return type(default).__name__
+
+
+SOLVER_VALUE_TEXT = {"switch": "on or off", "auto-or-switch": "auto, on or off", "int": "a whole number",
+                     "float": "a finite number", "str": "a name"}
+SWITCH = {"on": True, "true": True, "off": False, "false": False}
+
+
+def parse_solver_value(kind, text):
+    """VALUE of --solver-opt KEY=VALUE for KEY's `kind` (solver_value_kind); None when it does not parse."""
+    word = text.strip().lower()
+    if kind == "switch":
+        return SWITCH.get(word)
+    if kind == "auto-or-switch":
+        return "auto" if word == "auto" else SWITCH.get(word)
+    if kind in ("int", "float"):
+        try:
+            value = int(text) if kind == "int" else float(text)
+        except ValueError:
+            return None
+        return value if math.isfinite(value) else None
+    return text
+
+
+def parse_solver_opts(items):
+    """--solver-opt KEY=VALUE, ... -> {key: value}; a UserError names a bad item (and, for an
+    unknown key or a value of the wrong type, the valid keys)."""
+    defaults, options = solver_opt_defaults(), {}
+    valid = ", ".join(defaults)
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if key in SOLVER_FLAG_OPTIONS:
+            raise UserError(f"--solver-opt {item}: {key} is set by {SOLVER_FLAG_OPTIONS[key]}")
+        if not sep or key not in defaults:
+            raise UserError(f"--solver-opt {item}: unknown key {key!r}; KEY=VALUE with KEY one of {valid}")
+        kind = solver_value_kind(key, defaults[key])
+        value = parse_solver_value(kind, text)
+        if value is None:
+            raise UserError(f"--solver-opt {item}: {key} takes {SOLVER_VALUE_TEXT[kind]}, got {text!r} "
+                            f"(default {show_value(defaults[key])}; keys: {valid})")
+        if kind in ("int", "float") and value < 0:  # every budget, penalty, ratio and tolerance
+            raise UserError(f"--solver-opt {item}: {key} must be >= 0")
+        options[key] = value
+    try:  # the solver's own checks of ranges and names
+        SolverOptions(**options)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"--solver-opt: {err}") from None
+    return options
 
 
 def validate_args(args, world_size=None):
-    """Check the flags (a UserError names the first bad one) and derive args.grad_accum and
-    args.assignment. `world_size` defaults to torchrun's WORLD_SIZE (1 without torchrun)."""
+    """Check the flags (a UserError names the first bad one) and derive args.grad_accum,
+    args.assignment and args.solver_options (--solver-opt's {key: value}). `world_size` defaults
+    to torchrun's WORLD_SIZE (1 without torchrun)."""
+    args.solver_options = parse_solver_opts(args.solver_opt)
     for name, value in vars(args).items():  # inf and NaN pass the range checks below
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
@@ -202,15 +289,12 @@ def validate_args(args, world_size=None):
     for name in positive:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("lr", "muon_lr", "admm_rho_warm", "admm_rho_growth"):
+    for name in ("lr", "muon_lr"):
         if not getattr(args, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.admm_warm_average < 1:
-        raise UserError(f"--admm-warm-average must be in [0, 1), got {args.admm_warm_average}")
     if not args.diverge_factor > 1:
         raise UserError(f"--diverge-factor must be above 1, got {args.diverge_factor}")
-    for name in ("min_lr", "weight_decay", "grad_clip", "warmup_steps", "dual_steps", "admm_steps", "admm_pullbacks",
-                 "ckpt_every"):
+    for name in ("min_lr", "weight_decay", "grad_clip", "warmup_steps", "ckpt_every"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(args, name)}")
     if not 0 <= args.auto_saturation <= 1:
@@ -242,8 +326,10 @@ def validate_args(args, world_size=None):
             raise UserError("--cuda-graph replays the Muon step: it needs --optimizer muon")
         if args.assign.strip() == "auto":
             raise UserError("--cuda-graph with --assign auto: a switch of manifolds changes the step the graph holds")
-        if args.capturable == "off" or (args.capturable == "auto" and not wants_cuda(args)):
-            raise UserError("--cuda-graph needs the sync-free step: --capturable on (auto is on only on GPUs)")
+        capturable = args.solver_options.get("capturable", solver_opt_defaults().get("capturable"))
+        if capturable is False or (capturable == "auto" and not wants_cuda(args)):
+            raise UserError("--cuda-graph needs the sync-free step: --solver-opt capturable=on "
+                            "(auto is on only on GPUs)")
     args.grad_accum = grad_accum_steps(args, world_size or int(os.environ.get("WORLD_SIZE", "1")))
     if args.assign.strip() == "auto":
         if args.auto_base.strip() == "auto":
@@ -304,7 +390,9 @@ def init_distributed(args):
     # ends such a thread with pthread_exit, whose unwinding through a noexcept destructor calls
     # std::terminate: "terminate called without an active exception", SIGABRT after `done:`.
     # Imported now, the defaults are None and destroy_process_group() joins those threads.
-    import torch.distributed.nn.functional  # noqa: F401
+    # (`from ... import`, not `import torch.distributed.nn.functional`: that would bind `torch` as a
+    # local name of this function, unbound at the torch.cuda.set_device above)
+    from torch.distributed.nn import functional  # noqa: F401
     # device_id binds this rank's NCCL communicator to its GPU now (eagerly), not at the first
     # collective, and lets NCCL skip guessing the device from the current one
     dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=20),
@@ -674,14 +762,8 @@ def build_optimizers(model, args, device, auto=None):
     groups = muon_groups(plan) if args.optimizer == "muon" else [{"params": [], "manifold": "none"}]
     muon_ids = {id(p) for group in groups for p in group["params"]}
     muon = ManifoldMuon(groups, lr=args.muon_lr, momentum=args.momentum, nesterov=True,
-                        weight_decay=args.weight_decay, solver=args.solver, dual_steps=args.dual_steps,
-                        admm_steps=args.admm_steps, admm_rho_warm=args.admm_rho_warm,
-                        admm_rho_growth=args.admm_rho_growth, admm_warm_average=args.admm_warm_average,
-                        admm_pullbacks=args.admm_pullbacks,
-                        backend=args.kernels,
-                        dgram_cap=args.dgram_cap,
-                        clip=args.clip, precision=args.solver_precision,
-                        capturable={"auto": "auto", "on": True, "off": False}[args.capturable])
+                        weight_decay=args.weight_decay, backend=args.kernels, dgram_cap=args.dgram_cap,
+                        precision=args.solver_precision, **args.solver_options)
     rest = [p for p in model.parameters() if id(p) not in muon_ids]
     adamw_groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
                     {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
@@ -764,81 +846,7 @@ def evaluate_and_diagnose(model, plan, stream, args, device, autocast, env=DistE
 
 
 # ----------------------------------------------------------------------------------------
-# Outputs
-
-
-class RunLog:
-    """metrics.jsonl rows, console lines and (optionally) wandb."""
-
-    def __init__(self, out_dir, args, resume_step=None):
-        self.path = path = os.path.join(out_dir, "metrics.jsonl")
-        try:
-            if resume_step is not None:
-                keep_rows_until(path, resume_step)
-            self.metrics = open(path, "a")
-        except OSError as err:
-            raise write_error(path, err) from None
-        self.wandb = None
-        if args.wandb != "off":
-            import wandb  # imported only when asked for
-            try:
-                self.wandb = wandb.init(project=args.wandb_project, mode=args.wandb, dir=out_dir,
-                                        name=args.run_name or os.path.basename(os.path.abspath(out_dir)),
-                                        config={k: v for k, v in vars(args).items() if k != "assignment"})
-            except Exception as err:  # no network, a bad key, a server error: wandb's exception types vary
-                raise UserError(f"--wandb {args.wandb}: wandb could not start a run ({type(err).__name__}: "
-                                f"{str(err)[:300]}); use --wandb offline on a machine without network "
-                                "(`wandb sync` uploads later) or --wandb off") from None
-
-    def row(self, **fields):
-        try:
-            self.metrics.write(json.dumps(fields) + "\n")
-            self.metrics.flush()
-        except OSError as err:
-            raise write_error(self.path, err) from None
-        if self.wandb is not None:
-            self.wandb.log(flat_metrics({k: v for k, v in fields.items() if k != "step"}), step=fields["step"])
-
-    def close(self):
-        try:
-            self.metrics.close()
-        except OSError as err:
-            raise write_error(self.path, err) from None
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def flat_metrics(fields, prefix=""):
-    """Nested row fields as wandb's flat scalar keys: {"sigma_max": {"w": 1.0}, "attn_logit_max":
-    [3.0]} -> {"sigma_max/w": 1.0, "attn_logit_max/0": 3.0}."""
-    flat = {}
-    for key, value in fields.items():
-        if isinstance(value, (list, tuple)):
-            value = dict(enumerate(value))
-        if isinstance(value, dict):
-            flat.update(flat_metrics({str(k): v for k, v in value.items()}, f"{prefix}{key}/"))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def keep_rows_until(path, step):
-    """Drop metrics rows past `step` (written after the checkpoint we resume from), so each
-    step appears once however often a run is interrupted."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(f"{path}.tmp", "w") as f:
-        f.writelines(rows)
-    os.replace(f"{path}.tmp", path)
-
-
-def write_json(path, obj):
-    try:
-        write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
-    except OSError as err:
-        raise write_error(path, err) from None
+# Device
 
 
 def wants_cuda(args):
@@ -861,28 +869,14 @@ def resolve_device(args, env=DistEnv()):
     return device, dtype, autocast
 
 
+def synchronize(device):
+    """Wait for the device's queued work (what a step's wall time must include)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 # ----------------------------------------------------------------------------------------
-# Training loop
-
-
-def communication_bytes_per_step(model, muon, env):
-    """Bytes each rank receives per optimizer step: the ring all-reduce of the gradients
-    (2 (N-1)/N of the gradient bytes) plus the all-gather of the Muon banks ((N-1)/N of
-    the padded bank bytes). fp32 throughout."""
-    n = env.world_size
-    if n == 1:
-        return 0
-    grads = 4 * sum(p.numel() for p in model.parameters())
-    banks = 4 * muon.all_gather_elements()
-    return int(2 * (n - 1) / n * grads + (n - 1) / n * banks)
-
-
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json")
-# What a resumed run must share with its checkpoint: the model's shapes and assignment, and the
-# total batch (the data a step reads is a function of the step and the total batch). The
-# micro-batch and the number of processes may change: they only change the accumulation.
-RESUME_FIXED_ARGS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "assign", "total_batch_size",
-                     "qk_norm", "attn_softcap", "qk_clip")
+# The run: setup -> steps (train step, log, eval, divergence check, checkpoint) -> summary
 
 
 def main(argv=None):
@@ -904,127 +898,75 @@ def main(argv=None):
     return summary
 
 
-def check_wandb_login(args):
-    """--wandb online needs credentials; without them wandb would fail (or prompt) only once the
-    model is built. Checked before anything starts; reads the key from WANDB_API_KEY or the netrc
-    file `wandb login` writes, without contacting the server."""
-    if args.wandb != "online" or os.environ.get("RANK", "0") != "0":
-        return
-    import wandb
-    try:
-        wandb.login(verify=False)
-    except Exception as err:  # wandb.errors.UsageError: no API key configured
-        raise UserError(f"--wandb online: not logged in to Weights & Biases ({str(err)[:200]}); run `wandb login` "
-                        "or set WANDB_API_KEY, or use --wandb offline (a local run that `wandb sync` "
-                        "uploads later) or --wandb off") from None
-
-
-def check_out_dir(args):
-    """Refuse to mix two runs in one folder, to resume nothing, or to write where we cannot."""
-    holds_run = any(os.path.exists(os.path.join(args.out_dir, f)) for f in RUN_FILES)
-    if args.resume is None and holds_run and not args.overwrite:
-        raise UserError(f"--out-dir {args.out_dir} holds another run; pass --resume auto to continue it "
-                        "or --overwrite to start afresh there")
-    if args.resume is not None and args.overwrite:
-        raise UserError("--resume and --overwrite contradict each other")
-    if args.resume == "auto" and not glob.glob(os.path.join(args.out_dir, "ckpt_*.pt")):
-        raise UserError(f"--resume auto: no checkpoint in --out-dir {args.out_dir} (drop --resume to start afresh)")
-    if args.resume not in (None, "auto") and not os.path.isfile(args.resume):
-        raise UserError(f"--resume {args.resume}: no such checkpoint file")
-    existing = args.out_dir
-    while not os.path.exists(existing):
-        existing = os.path.dirname(os.path.abspath(existing))
-    if not os.path.isdir(existing):
-        raise UserError(f"--out-dir {args.out_dir}: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--out-dir {args.out_dir} is not writable")
-
-
-def clear_run(out_dir):
-    for path in ([os.path.join(out_dir, f) for f in RUN_FILES] + glob.glob(os.path.join(out_dir, "*.pt"))
-                 + glob.glob(os.path.join(out_dir, "*.pt.sha256"))):
-        if os.path.exists(path):
-            os.remove(path)
-
-
-def find_resume_checkpoint(args, say):
-    if args.resume == "auto":
-        path, payload = load_newest(args.out_dir, say)
-        if payload is None:
-            raise UserError(f"--resume auto: no readable checkpoint in --out-dir {args.out_dir}")
-        return path, payload
-    try:
-        return args.resume, load_checkpoint(args.resume)
-    except ValueError as err:
-        raise UserError(str(err)) from None
-
-
-def checkpoint_payload(step, model, adamw, muon_state, losses, args):
-    return {"format": "manifold-muon-ckpt-1", "step": step, "model": model.state_dict(),
-            "adamw": adamw.state_dict(), "muon": muon_state, **losses,
-            "args": {k: v for k, v in vars(args).items() if k != "assignment"},
-            "rng": {"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
-
-
-def restore(payload, model, adamw, muon, args):
-    saved = payload["args"]
-    fixed = RESUME_FIXED_ARGS + (("auto_base",) if args.assign.strip() == "auto" else ())
-    changed = [k for k in fixed if k in saved and saved[k] != getattr(args, k)]
-    if changed:
-        raise UserError("cannot resume: the checkpoint was written with a different "
-                        + ", ".join(f"--{k.replace('_', '-')} ({saved.get(k)} there, {getattr(args, k)} now)"
-                                    for k in changed))
-    model.load_state_dict(payload["model"])
-    adamw.load_state_dict(payload["adamw"])
-    # Optimizer.load_state_dict restores the groups' options too. The solver's (--solver-precision,
-    # --admm-steps, ...) are this run's flags: they change cost and accuracy, not what is trained.
-    solver_now = [{k: group[k] for k in SOLVER_DEFAULTS if k in group} for group in muon.param_groups]
-    muon.load_state_dict(payload["muon"])
-    changed = {}
-    for group, now in zip(muon.param_groups, solver_now):
-        for k, v in now.items():
-            if group.get(k, v) != v:
-                changed[k] = (group.get(k), v)
-            group[k] = v
-    torch.set_rng_state(payload["rng"]["cpu"])
-    if payload["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
-    return changed
-
-
-def diagnostics(model, plan, args, train_loss, lr, grad_norm):
-    """What a post-mortem of a diverged run needs first."""
-    return {"train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
-            "param_max_abs": max(float(p.detach().abs().max()) for p in model.parameters()),
-            "max_manifold_violation": max_violations(plan, args)}
-
-
-def auto_switch(step, fields, auto, model, muon, plan, args, env):
-    """--assign auto at an eval: rank 0 decides from its diagnostics, every rank applies the
-    switches: Stiefel attention for those layers (weights projected, dual state reset, momentum
-    kept). Returns the new switches and the matrix plan (a new one when anything switched)."""
-    new = auto.decide(step, fields) if env.is_main else None
-    if env.world_size > 1:
-        box = [new]
-        dist.broadcast_object_list(box, src=0)
-        new = box[0]
-    if not new:
-        return [], plan
-    auto.apply(new)
-    plan = matrix_plan(model, layer_assignments(args, auto))
-    switched = {name for name, *_ in plan if layer_of(name) in {s["layer"] for s in new}}
-    project_plan(plan, args, only=switched)
-    if env.world_size > 1:  # bitwise-equal replicas whatever the SVD does on each rank
-        for name, p, *_ in plan:
-            if name in switched:
-                dist.broadcast(p.data, src=0)
-    muon.reassign(muon_groups(plan))
-    return new, plan
-
-
 def train(args, env, cleanup):
-    """The run; `cleanup` (contextlib.ExitStack) takes what must be undone when it ends (the lock)."""
+    """The run; `cleanup` (contextlib.ExitStack) takes what must be undone when it ends (the lock).
+    A failed write of rank 0 (WriteError) ends the loop; the summary is still written, then the
+    error is raised again (exit status 5)."""
+    run = setup(args, env, cleanup)
+    stop = StopRequest().install()
+    prefetch = Prefetcher(run.batches, run.start_step, run.device)
+    start, write_failure = time.time(), None
+    try:
+        status = run_steps(run, prefetch, stop)
+    except WriteError as err:
+        status, write_failure = "write_failed", err
+    stop.uninstall()
+    prefetch.close()
+    return finish(run, status, write_failure, wall_s=time.time() - start)
+
+
+@dataclass
+class Run:
+    """What the phases of one run share. `setup` builds it; the loop updates the losses, the
+    matrix plan (--assign auto's switches), the steps done and the divergence record."""
+    args: argparse.Namespace
+    env: DistEnv
+    say: object                    # print on rank 0, nothing elsewhere
+    device: torch.device
+    autocast: object               # the forward's autocast context (or a null one)
+    train_stream: TokenStream
+    val_stream: TokenStream
+    batches: TrainBatches
+    model: GPT
+    muon: ManifoldMuon
+    adamw: torch.optim.AdamW
+    plan: list                     # matrix_plan of the current assignment
+    auto: AutoAssign = None        # --assign auto
+    qk_clip: QKClip = None         # --qk-clip
+    step_model: nn.Module = None   # what the forward runs: the model, compiled and in DDP as asked
+    muon_step: object = None       # muon.step, or its replay from a CUDA graph (--cuda-graph on)
+    log: RunLog = None             # rank 0's metrics log
+    start_step: int = 0
+    steps_done: int = 0
+    best_val: float = math.inf
+    val_loss: float = None
+    train_loss: float = None
+    diverged: dict = None          # the first divergence: its step and diagnostics
+
+    @property
+    def graphed(self):
+        return self.args.cuda_graph == "on"
+
+    @property
+    def tokens_per_step(self):
+        return self.args.total_batch_size * self.args.seq_len
+
+
+@dataclass
+class StepRecord:
+    """What one training step reports besides the loss (run.train_loss)."""
+    lr: float
+    grad_norm: torch.Tensor        # before clipping
+    stop: bool                     # a stop was requested on some rank
+    seconds: float                 # the whole step
+    opt_seconds: float             # the optimizers' share
+
+
+# --- setup: data, run folder, model, optimizers, resume -----------------------------------
+
+
+def setup(args, env, cleanup):
+    """Everything the loop needs, at the step it starts from."""
     device, dtype, autocast = resolve_device(args, env)
     train_stream = TokenStream(find_shards(args.data_dir, "train"), args.vocab_size)
     val_stream = TokenStream(find_shards(args.data_dir, "val"), args.vocab_size)
@@ -1032,6 +974,38 @@ def train(args, env, cleanup):
                            env.rank, env.world_size)
     val_windows(val_stream, args)  # too short a val split is an error now, not at the first eval
     say = print if env.is_main else (lambda *a, **k: None)
+    open_out_dir(args, env, cleanup, say)
+    resume_path, payload = find_resume_checkpoint(args, say) if args.resume else (None, None)
+
+    torch.manual_seed(args.seed)  # the same initialisation on every rank
+    model = GPT(GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size,
+                          qk_norm=args.qk_norm, attn_softcap=args.attn_softcap)).to(device)
+    auto = None
+    if args.assign.strip() == "auto":
+        auto = AutoAssign(args.n_layer, args.auto_logit_max, args.auto_saturation, args.auto_sigma_growth)
+        if payload is not None:  # the switches taken so far shape the optimizer's groups
+            auto.load_state_dict(payload["auto"])
+    muon, adamw = build_optimizers(model, args, device, auto)
+    plan = matrix_plan(model, layer_assignments(args, auto))
+    qk_clip = QKClip([block.attn for block in model.blocks], plan, args.qk_clip, env.world_size > 1) if args.qk_clip else None
+    run = Run(args=args, env=env, say=say, device=device, autocast=autocast, train_stream=train_stream,
+              val_stream=val_stream, batches=batches, model=model, muon=muon, adamw=adamw, plan=plan, auto=auto,
+              qk_clip=qk_clip)
+    if payload is not None:
+        resume(run, payload, resume_path)
+    run.step_model = forward_model(model, args, env, device)
+    describe(run, dtype, resumed=payload is not None)
+    run.muon_step = muon.step
+    if run.graphed:
+        lr_in_device_tensors(muon, device)
+        run.muon_step = StepGraph(muon.step, device)
+    run.steps_done = run.start_step
+    return run
+
+
+def open_out_dir(args, env, cleanup, say):
+    """Create --out-dir and hold its lock for the run (rank 0); clear leftovers and, under
+    --overwrite, the previous run; on several processes check that every rank sees the folder."""
     if env.is_main:
         try:
             os.makedirs(args.out_dir, exist_ok=True)
@@ -1045,203 +1019,294 @@ def train(args, env, cleanup):
             clear_run(args.out_dir)
     if env.world_size > 1:
         check_shared_out_dir(args.out_dir, env.rank, env.world_size)
-    resume_path, payload = find_resume_checkpoint(args, say) if args.resume else (None, None)
 
-    torch.manual_seed(args.seed)  # the same initialisation on every rank
-    cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size,
-                    qk_norm=args.qk_norm, attn_softcap=args.attn_softcap)
-    model = GPT(cfg).to(device)
-    auto = None
-    if args.assign.strip() == "auto":
-        auto = AutoAssign(args.n_layer, args.auto_logit_max, args.auto_saturation, args.auto_sigma_growth)
-        if payload is not None:  # the switches taken so far shape the optimizer's groups
-            auto.load_state_dict(payload["auto"])
-    muon, adamw = build_optimizers(model, args, device, auto)
-    plan = matrix_plan(model, layer_assignments(args, auto))
-    qk_clip = QKClip([block.attn for block in model.blocks], plan, args.qk_clip, env.world_size > 1) if args.qk_clip else None
-    start_step, best_val, val_loss, train_loss = 0, math.inf, None, None
-    if payload is not None:
-        if qk_clip is not None and "qk_clip" in payload:
-            qk_clip.load_state_dict(payload["qk_clip"])
-        solver_changes = restore(payload, model, adamw, muon, args)
-        if solver_changes:
-            say("note: solver options differ from the checkpoint's; this run's apply: "
+
+def resume(run, payload, path):
+    """Continue from a checkpoint: weights, optimizer states, RNGs, QK-Clip, losses and step."""
+    if run.qk_clip is not None and "qk_clip" in payload:
+        run.qk_clip.load_state_dict(payload["qk_clip"])
+    solver_changes = restore(payload, run.model, run.adamw, run.muon, run.args)
+    if solver_changes:
+        run.say("note: solver options differ from the checkpoint's; this run's apply: "
                 + ", ".join(f"{k} {old} -> {new}" for k, (old, new) in solver_changes.items()))
-        if payload.get("train_shards", train_stream.fingerprint()) != train_stream.fingerprint():
-            say(f"warning: the train shards in {args.data_dir} are not those of the checkpoint (files or token "
-                "counts differ): the resumed run reads other data than the original would have", file=sys.stderr)
-        start_step, best_val = payload["step"], payload["best_val_loss"]
-        val_loss, train_loss = payload["val_loss"], payload["train_loss"]
-        say(f"resuming from {resume_path} at step {start_step}")
+    if payload.get("train_shards", run.train_stream.fingerprint()) != run.train_stream.fingerprint():
+        run.say(f"warning: the train shards in {run.args.data_dir} are not those of the checkpoint (files or "
+                "token counts differ): the resumed run reads other data than the original would have",
+                file=sys.stderr)
+    run.start_step, run.best_val = payload["step"], payload["best_val_loss"]
+    run.val_loss, run.train_loss = payload["val_loss"], payload["train_loss"]
+    run.say(f"resuming from {path} at step {run.start_step}")
+
+
+def forward_model(model, args, env, device):
+    """The module the training forward runs: `model`, compiled under --compile, and on several
+    processes in DDP (the gradient all-reduce, bucketed and overlapped with the backward)."""
     step_model = torch.compile(model) if args.compile else model
-    if env.world_size > 1:  # gradient all-reduce, bucketed and overlapped with the backward
+    if env.world_size > 1:
         # broadcast_buffers=False: the only buffers are QK-Clip's per-rank logit maxima (reduced in QKClip.step)
         step_model = DDP(step_model, device_ids=[env.local_rank] if device.type == "cuda" else None,
                          broadcast_buffers=False)
-    tokens_per_step = args.total_batch_size * args.seq_len
-    n_params = sum(p.numel() for p in model.parameters())
-    comm_bytes = communication_bytes_per_step(model, muon, env)
-    say(f"GPT-2 {args.n_layer}L {args.n_head}H {args.n_embd}D, {n_params / 1e6:.2f}M parameters, "
-        f"{device.type} {dtype}, {env.world_size} process(es); assign {args.assign}: "
-        + ", ".join(f"{k}={v}" for k, v in args.assignment.items()))
-    say(f"data: {train_stream.total:,} train / {val_stream.total:,} val tokens; "
-        f"{tokens_per_step:,} tokens per step ({args.total_batch_size} x {args.seq_len}: {args.batch_size} "
-        f"per process x {env.world_size} x {args.grad_accum} accumulation), {args.max_steps} steps"
-        + (f"; {comm_bytes / 2**20:.1f} MiB received per rank per step" if comm_bytes else ""))
-    log = None
+    return step_model
+
+
+def describe(run, dtype, resumed):
+    """The run's first lines (model, data, the solver's plan); on rank 0 config.json and the metrics
+    log (opened for appending)."""
+    args, env = run.args, run.env
+    n_params = sum(p.numel() for p in run.model.parameters())
+    comm_bytes = communication_bytes_per_step(run.model, run.muon, env)
+    run.say(f"GPT-2 {args.n_layer}L {args.n_head}H {args.n_embd}D, {n_params / 1e6:.2f}M parameters, "
+            f"{run.device.type} {dtype}, {env.world_size} process(es); assign {args.assign}: "
+            + ", ".join(f"{k}={v}" for k, v in args.assignment.items()))
+    run.say(f"data: {run.train_stream.total:,} train / {run.val_stream.total:,} val tokens; "
+            f"{run.tokens_per_step:,} tokens per step ({args.total_batch_size} x {args.seq_len}: {args.batch_size} "
+            f"per process x {env.world_size} x {args.grad_accum} accumulation), {args.max_steps} steps"
+            + (f"; {comm_bytes / 2**20:.1f} MiB received per rank per step" if comm_bytes else ""))
+    run.say(run.muon.plan.summary())
     if env.is_main:
         write_json(os.path.join(args.out_dir, "config.json"),
-                   {**vars(args), "device_resolved": device.type, "dtype_resolved": dtype,
+                   {**vars(args), "device_resolved": run.device.type, "dtype_resolved": dtype,
                     "world_size": env.world_size, "n_params": n_params,
-                    "tokens_per_step": tokens_per_step, "comm_bytes_per_step": comm_bytes})
-        log = RunLog(args.out_dir, args, resume_step=start_step if payload else None)
+                    "tokens_per_step": run.tokens_per_step, "comm_bytes_per_step": comm_bytes,
+                    "solver": run.muon.plan.as_dict()})
+        run.log = RunLog(args.out_dir, args, resume_step=run.start_step if resumed else None)
 
-    def checkpoint(step, prefix="ckpt"):
-        muon_state = muon.consolidated_state_dict()  # a collective: every rank takes part
-        if env.is_main:
-            losses = {"best_val_loss": best_val, "val_loss": val_loss, "train_loss": train_loss}
-            state = checkpoint_payload(step, model, adamw, muon_state, losses, args)
-            state["train_shards"] = train_stream.fingerprint()
-            if auto is not None:
-                state["auto"] = auto.state_dict()
-            if qk_clip is not None:
-                state["qk_clip"] = qk_clip.state_dict()
-            if prefix == "ckpt":
-                save_checkpoint(state, args.out_dir, step, args.keep_ckpts)
-            else:
-                save_atomic(state, checkpoint_path(args.out_dir, step, prefix))
 
-    graphed = args.cuda_graph == "on"
-    muon_step = muon.step
-    if graphed:
-        lr_in_device_tensors(muon, device)
-        muon_step = StepGraph(muon.step, device)
-    stop = StopRequest().install()
-    prefetch = Prefetcher(batches, start_step, device)
-    status, diverged, step, saved_step = "completed", None, start_step - 1, start_step
-    start = time.time()
-    write_failure = None  # a WriteError of rank 0: the run ends with status 5 after its summary
-    try:
-        for step in range(start_step, args.max_steps):
-            t0 = time.perf_counter()
-            lr = lr_at(step, args)
-            for group in adamw.param_groups:
-                group["lr"] = lr
-            for group in muon.param_groups:  # a replayed graph reads the lr from its tensor
-                if graphed:
-                    group["lr"].fill_(args.muon_lr * lr / args.lr)
-                else:
-                    group["lr"] = args.muon_lr * lr / args.lr
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(args.grad_accum):
-                x, y = prefetch.next(step, micro)
-                last = micro == args.grad_accum - 1
-                # gradients are all-reduced once, on the last micro-step
-                with contextlib.nullcontext() if last or env.world_size == 1 else step_model.no_sync():
-                    with autocast:
-                        loss = step_model(x, y) / args.grad_accum
-                    loss.backward()
-                loss_sum += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t_opt = time.perf_counter()
-            adamw.step()
-            muon_step()
-            if qk_clip is not None:
-                qk_clip.step()
-            adamw.zero_grad(set_to_none=True)
-            muon.zero_grad(set_to_none=not graphed)  # a graph reads the gradients it was captured with
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            # one reduction carries the loss and whether any rank was asked to stop
-            loss_total, stops = all_reduce_sum([loss_sum.item(), float(stop.requested)], env, device)
-            train_loss, stop_now = loss_total / env.world_size, stops > 0
-            step_ms, opt_ms = 1000 * (t1 - t0), 1000 * (t1 - t_opt)
-            if log:
-                solver = muon.stats()  # this rank's share of every bank; reading it syncs the device
-                # matrices that took the sync-free precision fallback (rare; only logged when it happens)
-                fallbacks = {bank: s["fallbacks"] for bank, s in solver.items() if s["fallbacks"]}
-                log.row(step=step + 1, train_loss=train_loss, lr=lr, grad_norm=float(grad_norm),
-                        tokens_per_s=tokens_per_step / (t1 - t0), step_ms=step_ms, opt_ms=opt_ms,
-                        solver_iterations={bank: s["iterations"] for bank, s in solver.items()},
-                        solver_residual={bank: s["residual"] for bank, s in solver.items()},
-                        **({"solver_fallbacks": fallbacks} if fallbacks else {}))
-            if (step + 1) % args.log_every == 0 or step == start_step:
-                say(f"step {step + 1:6d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
-                    f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_step / (t1 - t0):,.0f} tok/s",
-                    flush=True)
-            evaluated = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
-            if evaluated and math.isfinite(train_loss):
-                val_loss, eval_tokens, eval_fields = evaluate_and_diagnose(
-                    model, plan, val_stream, args, device, autocast, env)
-                replica_diff = replica_max_abs_diff(model, env)
-                if qk_clip is not None:
-                    eval_fields.update(qk_clip.stats())
-                if log:
-                    log.row(step=step + 1, val_loss=val_loss, eval_tokens=eval_tokens,
-                            replica_max_abs_diff=replica_diff, **eval_fields)
-                say(f"step {step + 1:6d} | val loss {val_loss:.4f} ({eval_tokens:,} tokens)"
-                    + (f" | replicas differ by {replica_diff:.1e}" if env.world_size > 1 else ""), flush=True)
-                if auto is not None:
-                    switches, plan = auto_switch(step + 1, eval_fields, auto, model, muon, plan, args, env)
-                    if qk_clip is not None:
-                        qk_clip.replan(plan)
-                    for switch in switches:
-                        say(f"step {step + 1:6d} | auto: layer {switch['layer']} attention -> stiefel "
-                            f"({switch['reason']})", flush=True)
-                        if log:
-                            log.row(**switch, event="auto_switch")
-            worst = max(train_loss, val_loss if evaluated and val_loss is not None else -math.inf)
-            if diverged is None and (not math.isfinite(worst) or worst > args.diverge_factor * best_val):
-                diverged = {"step": step + 1, **diagnostics(model, plan, args, train_loss, lr, float(grad_norm))}
-                say(f"step {step + 1}: diverged (loss {worst:.4g}, best val {best_val:.4g}); "
-                    f"post-mortem checkpoint diverged_{step + 1:08d}.pt", file=sys.stderr, flush=True)
-                checkpoint(step + 1, prefix="diverged")
-                if args.on_diverge == "stop":
-                    status = "diverged"
-                    break
-            if evaluated and val_loss is not None and math.isfinite(val_loss):
-                best_val = min(best_val, val_loss)
-            if stop_now or (args.ckpt_every and (step + 1) % args.ckpt_every == 0):
-                checkpoint(step + 1)
-                saved_step = step + 1
-            if stop_now:
-                status = "interrupted"
-                say(f"stopped by {stop.signal or 'another rank'} after step {step + 1}; "
+def communication_bytes_per_step(model, muon, env):
+    """Bytes each rank receives per optimizer step: the ring all-reduce of the gradients
+    (2 (N-1)/N of the gradient bytes) plus the all-gather of the Muon banks ((N-1)/N of
+    the padded bank bytes). fp32 throughout."""
+    n = env.world_size
+    if n == 1:
+        return 0
+    grads = 4 * sum(p.numel() for p in model.parameters())
+    banks = 4 * muon.all_gather_elements()
+    return int(2 * (n - 1) / n * grads + (n - 1) / n * banks)
+
+
+# --- the steps ------------------------------------------------------------------------------
+
+
+def run_steps(run, prefetch, stop):
+    """Steps from run.start_step to --max-steps: each trains, logs, evaluates every --eval-every
+    steps, checks for divergence and checkpoints every --ckpt-every steps. A divergence under
+    --on-diverge stop or a stop request (a signal on any rank) ends the loop early. Returns the
+    run's status: completed, diverged or interrupted."""
+    args, saved_step = run.args, run.start_step
+    for step in range(run.start_step, args.max_steps):
+        run.steps_done = step + 1
+        record = train_step(run, step, prefetch, stop)
+        log_step(run, step, record)
+        evaluated = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
+        if evaluated and math.isfinite(run.train_loss):
+            evaluate_and_log(run, step)
+        if run.diverged is None and check_divergence(run, step, record, evaluated) and args.on_diverge == "stop":
+            return "diverged"
+        if evaluated and run.val_loss is not None and math.isfinite(run.val_loss):
+            run.best_val = min(run.best_val, run.val_loss)
+        if record.stop or (args.ckpt_every and (step + 1) % args.ckpt_every == 0):
+            save(run, step + 1)
+            saved_step = step + 1
+        if record.stop:
+            run.say(f"stopped by {stop.signal or 'another rank'} after step {step + 1}; "
                     f"resume with --resume auto", file=sys.stderr, flush=True)
-                break
-        if status == "completed" and saved_step != args.max_steps:
-            checkpoint(args.max_steps)  # the final weights, and a resumable end state
-    except WriteError as err:
-        status, write_failure = "write_failed", err
-    stop.uninstall()
-    prefetch.close()
-    steps_done = step + 1
-    summary = {"status": status, "steps": steps_done, "tokens": steps_done * tokens_per_step,
-               "final_val_loss": val_loss, "final_train_loss": train_loss,
-               "max_manifold_violation": max_violations(plan, args),
-               "world_size": env.world_size, "diverged": diverged, "wall_s": time.time() - start,
+            return "interrupted"
+    if saved_step != args.max_steps:
+        save(run, args.max_steps)  # the final weights, and a resumable end state
+    return "completed"
+
+
+def train_step(run, step, prefetch, stop):
+    """Optimizer step `step` (from 0): the scheduled lr, forward and backward over the
+    micro-batches, the gradient clip, AdamW, the Muon step and QK-Clip. Sets run.train_loss
+    (the mean over ranks)."""
+    args, t0 = run.args, time.perf_counter()
+    lr = set_lr(run, step)
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(args.grad_accum):
+        x, y = prefetch.next(step, micro)
+        last = micro == args.grad_accum - 1
+        # gradients are all-reduced once, on the last micro-step
+        with contextlib.nullcontext() if last or run.env.world_size == 1 else run.step_model.no_sync():
+            with run.autocast:
+                loss = run.step_model(x, y) / args.grad_accum
+            loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip or math.inf)
+    synchronize(run.device)
+    t_opt = time.perf_counter()
+    run.adamw.step()
+    run.muon_step()
+    if run.qk_clip is not None:
+        run.qk_clip.step()
+    run.adamw.zero_grad(set_to_none=True)
+    run.muon.zero_grad(set_to_none=not run.graphed)  # a graph reads the gradients it was captured with
+    synchronize(run.device)
+    t1 = time.perf_counter()
+    # one reduction carries the loss and whether any rank was asked to stop
+    loss_total, stops = all_reduce_sum([loss_sum.item(), float(stop.requested)], run.env, run.device)
+    run.train_loss = loss_total / run.env.world_size
+    return StepRecord(lr=lr, grad_norm=grad_norm, stop=stops > 0, seconds=t1 - t0, opt_seconds=t1 - t_opt)
+
+
+def set_lr(run, step):
+    """The schedule's lr at `step` for AdamW, scaled by --muon-lr / --lr for Muon; returns AdamW's."""
+    args, lr = run.args, lr_at(step, run.args)
+    for group in run.adamw.param_groups:
+        group["lr"] = lr
+    for group in run.muon.param_groups:  # a replayed graph reads the lr from its tensor
+        if run.graphed:
+            group["lr"].fill_(args.muon_lr * lr / args.lr)
+        else:
+            group["lr"] = args.muon_lr * lr / args.lr
+    return lr
+
+
+def log_step(run, step, record):
+    """The step's metrics row (rank 0) and, every --log-every steps and at the first, its line."""
+    tokens_per_s, step_ms, opt_ms = run.tokens_per_step / record.seconds, 1000 * record.seconds, 1000 * record.opt_seconds
+    if run.log:
+        solver = run.muon.stats()  # this rank's share of every bank; reading it syncs the device
+        # matrices that took the sync-free precision fallback (rare; only logged when it happens)
+        fallbacks = {bank: s["fallbacks"] for bank, s in solver.items() if s["fallbacks"]}
+        run.log.row(step=step + 1, train_loss=run.train_loss, lr=record.lr, grad_norm=float(record.grad_norm),
+                    tokens_per_s=tokens_per_s, step_ms=step_ms, opt_ms=opt_ms,
+                    solver_iterations={bank: s["iterations"] for bank, s in solver.items()},
+                    solver_residual={bank: s["residual"] for bank, s in solver.items()},
+                    **({"solver_fallbacks": fallbacks} if fallbacks else {}))
+    if (step + 1) % run.args.log_every == 0 or step == run.start_step:
+        run.say(f"step {step + 1:6d}/{run.args.max_steps} | loss {run.train_loss:.4f} | lr {record.lr:.2e} | "
+                f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_s:,.0f} tok/s", flush=True)
+
+
+def evaluate_and_log(run, step):
+    """The eval after step `step`: val loss and diagnostics (run.val_loss), their row and line,
+    and --assign auto's switches."""
+    run.val_loss, eval_tokens, fields = evaluate_and_diagnose(run.model, run.plan, run.val_stream, run.args,
+                                                              run.device, run.autocast, run.env)
+    replica_diff = replica_max_abs_diff(run.model, run.env)
+    if run.qk_clip is not None:
+        fields.update(run.qk_clip.stats())
+    if run.log:
+        run.log.row(step=step + 1, val_loss=run.val_loss, eval_tokens=eval_tokens,
+                    replica_max_abs_diff=replica_diff, **fields)
+    run.say(f"step {step + 1:6d} | val loss {run.val_loss:.4f} ({eval_tokens:,} tokens)"
+            + (f" | replicas differ by {replica_diff:.1e}" if run.env.world_size > 1 else ""), flush=True)
+    if run.auto is not None:
+        auto_switch(run, step, fields)
+
+
+def auto_switch(run, step, fields):
+    """--assign auto at an eval: rank 0 decides from its diagnostics `fields`, every rank applies
+    the switches: Stiefel attention for those layers (weights projected, dual state reset,
+    momentum kept), a new matrix plan for Muon's groups and QK-Clip, a row and line per switch."""
+    args, env = run.args, run.env
+    new = run.auto.decide(step + 1, fields) if env.is_main else None
+    if env.world_size > 1:
+        box = [new]
+        dist.broadcast_object_list(box, src=0)
+        new = box[0]
+    if not new:
+        return
+    run.auto.apply(new)
+    run.plan = matrix_plan(run.model, layer_assignments(args, run.auto))
+    switched = {name for name, *_ in run.plan if layer_of(name) in {s["layer"] for s in new}}
+    project_plan(run.plan, args, only=switched)
+    if env.world_size > 1:  # bitwise-equal replicas whatever the SVD does on each rank
+        for name, p, *_ in run.plan:
+            if name in switched:
+                dist.broadcast(p.data, src=0)
+    run.muon.reassign(muon_groups(run.plan))
+    if run.qk_clip is not None:
+        run.qk_clip.replan(run.plan)
+    for switch in new:
+        run.say(f"step {step + 1:6d} | auto: layer {switch['layer']} attention -> stiefel ({switch['reason']})",
+                flush=True)
+        if run.log:
+            run.log.row(**switch, event="auto_switch")
+
+
+def check_divergence(run, step, record, evaluated):
+    """A non-finite loss, or one above --diverge-factor x the best val loss so far, is a divergence:
+    run.diverged records it (with what a post-mortem needs first) and diverged_<step>.pt the
+    state. Returns whether the run diverged at this step."""
+    worst = max(run.train_loss, run.val_loss if evaluated and run.val_loss is not None else -math.inf)
+    if math.isfinite(worst) and worst <= run.args.diverge_factor * run.best_val:
+        return False
+    run.diverged = {"step": step + 1, "train_loss": run.train_loss, "lr": record.lr,
+                    "grad_norm": float(record.grad_norm),
+                    "param_max_abs": max(float(p.detach().abs().max()) for p in run.model.parameters()),
+                    "max_manifold_violation": max_violations(run.plan, run.args)}
+    run.say(f"step {step + 1}: diverged (loss {worst:.4g}, best val {run.best_val:.4g}); "
+            f"post-mortem checkpoint diverged_{step + 1:08d}.pt", file=sys.stderr, flush=True)
+    save(run, step + 1, prefix="diverged")
+    return True
+
+
+# --- checkpoint and summary -------------------------------------------------------------------
+
+
+def save(run, steps_done, prefix="ckpt"):
+    """Checkpoint the run after `steps_done` steps: ckpt_<steps>.pt in the rotation of
+    --keep-ckpts, or <prefix>_<steps>.pt. A collective (Muon's state is gathered from every
+    rank); rank 0 writes."""
+    muon_state = run.muon.consolidated_state_dict()
+    if not run.env.is_main:
+        return
+    losses = {"best_val_loss": run.best_val, "val_loss": run.val_loss, "train_loss": run.train_loss}
+    state = checkpoint_payload(steps_done, run.model, run.adamw, muon_state, losses, run.args)
+    state["train_shards"] = run.train_stream.fingerprint()
+    if run.auto is not None:
+        state["auto"] = run.auto.state_dict()
+    if run.qk_clip is not None:
+        state["qk_clip"] = run.qk_clip.state_dict()
+    if prefix == "ckpt":
+        save_checkpoint(state, run.args.out_dir, steps_done, run.args.keep_ckpts)
+    else:
+        save_atomic(state, checkpoint_path(run.args.out_dir, steps_done, prefix))
+
+
+def finish(run, status, write_failure, wall_s):
+    """The run's summary: summary.json and its line (rank 0); returned, or after a failed write
+    of rank 0 (`write_failure`) raised again once the summary is written."""
+    summary = {"status": status, "steps": run.steps_done, "tokens": run.steps_done * run.tokens_per_step,
+               "final_val_loss": run.val_loss, "final_train_loss": run.train_loss,
+               "max_manifold_violation": max_violations(run.plan, run.args),
+               "world_size": run.env.world_size, "diverged": run.diverged, "wall_s": wall_s,
                # a collective: not after a failed write, which only rank 0 met
-               "replica_max_abs_diff": replica_max_abs_diff(model, env) if write_failure is None else None}
+               "replica_max_abs_diff": replica_max_abs_diff(run.model, run.env) if write_failure is None else None}
     if write_failure is not None:
         summary["error"] = str(write_failure)
-    if auto is not None:
-        summary["auto_switches"] = auto.switches
-    if device.type == "cuda":  # this rank's peak of tensors allocated (the caching allocator reserves more)
-        summary["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-    if log:
+    if run.auto is not None:
+        summary["auto_switches"] = run.auto.switches
+    if run.device.type == "cuda":  # this rank's peak of tensors allocated (the caching allocator reserves more)
+        summary["peak_memory_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+    if run.log:
         try:
-            write_json(os.path.join(args.out_dir, "summary.json"), summary)
-            log.close()
+            write_json(os.path.join(run.args.out_dir, "summary.json"), summary)
+            run.log.close()
         except WriteError:
             if write_failure is None:
                 raise
-        say(f"done: {json.dumps(summary)}")
+        run.say(f"done: {json.dumps(summary)}")
     if write_failure is not None:
         raise write_failure
     return summary
+
+
+def check_wandb_login(args):
+    """--wandb online needs credentials; without them wandb would fail (or prompt) only once the
+    model is built. Checked before anything starts; reads the key from WANDB_API_KEY or the netrc
+    file `wandb login` writes, without contacting the server."""
+    if args.wandb != "online" or os.environ.get("RANK", "0") != "0":
+        return
+    import wandb
+    try:
+        wandb.login(verify=False)
+    except Exception as err:  # wandb.errors.UsageError: no API key configured
+        raise UserError(f"--wandb online: not logged in to Weights & Biases ({str(err)[:200]}); run `wandb login` "
+                        "or set WANDB_API_KEY, or use --wandb offline (a local run that `wandb sync` "
+                        "uploads later) or --wandb off") from None
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 import train_gpt2
 from synthetic import TINY_MODEL, make_shards
 from training.diagnostics import AttentionProbe, matrix_stats
+from training.run_log import flat_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL_KEYS = {"attn_logit_max", "softmax_max_prob", "sigma_max", "sigma_min", "manifold_violation",
@@ -175,7 +176,7 @@ def test_eval_and_train_rows_carry_every_diagnostic(data_dir, tmp_path):
     for r in (r for r in all_rows if "train_loss" in r):
         assert "opt_ms" in r and set(r["solver_iterations"]) == set(r["solver_residual"])
         assert len(r["solver_iterations"]) == 4  # one bank per module key in a 2-layer model
-        # within the budgets (--dual-steps/--admm-steps 8; ADMM doubles its own for near-square banks)
+        # within the solver's budgets (ADMM doubles its own from a cold start and for near-square banks)
         assert all(isinstance(k, int) and 0 <= k <= 16 for k in r["solver_iterations"].values())
         assert all(math.isfinite(x) and x >= 0 for x in r["solver_residual"].values())
         assert r["solver_iterations"]["mlp.proj=none:32x128"] == 0  # plain Muon solves nothing
@@ -204,5 +205,5 @@ def test_wandb_offline_logs_the_diagnostics_and_off_never_imports_it(data_dir, t
 
 
 def test_flat_metrics_names_every_leaf():
-    flat = train_gpt2.flat_metrics({"a": 1.0, "b": [2.0, 3.0], "c": {"x": 4.0, "y": {"z": 5}}})
+    flat = flat_metrics({"a": 1.0, "b": [2.0, 3.0], "c": {"x": 4.0, "y": {"z": 5}}})
     assert flat == {"a": 1.0, "b/0": 2.0, "b/1": 3.0, "c/x": 4.0, "c/y/z": 5}

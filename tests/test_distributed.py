@@ -139,7 +139,7 @@ def test_two_ranks_replaying_the_muon_step_from_a_graph_train_as_eager(tmp_path)
     """--cuda-graph on at 2 ranks (the replay emulated on CPU, the all-gather inside it): every
     loss to the bit as the eager sync-free step, and the replicas equal."""
     data_dir = make_shards(str(tmp_path / "data"))
-    flags = ["--assign", "hetero", "--capturable", "on"]
+    flags = ["--assign", "hetero", "--solver-opt", "capturable=on"]
     eager, _ = launch(2, tmp_path / "eager", data_dir, *flags)
     graph, summary = launch(2, tmp_path / "graph", data_dir, *flags, "--cuda-graph", "on")
     assert losses(graph, "train_loss") == losses(eager, "train_loss") and len(losses(eager, "train_loss")) == 8

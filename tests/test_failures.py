@@ -19,6 +19,7 @@ from test_reliability import (ENV, RUN, command, has_checkpoint, has_rows, kille
                               start_then, train_losses)
 from training import checkpoints
 from training.run_dir import check_shared_out_dir
+from training.run_log import RunLog
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_error_and_loses_nothing(data_dir
 
 def test_a_failing_metrics_write_is_a_write_error(data_dir, tmp_path, monkeypatch):
     rows = {"n": 0}
-    original = train_gpt2.RunLog.row
+    original = RunLog.row
 
     def row(log, **fields):
         rows["n"] += 1
@@ -134,7 +135,7 @@ def test_a_failing_metrics_write_is_a_write_error(data_dir, tmp_path, monkeypatc
             log.metrics.write = lambda text: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error"))
         return original(log, **fields)
 
-    monkeypatch.setattr(train_gpt2.RunLog, "row", row)
+    monkeypatch.setattr(RunLog, "row", row)
     with pytest.raises(WriteError, match="metrics.jsonl: an I/O error"):
         train_gpt2.main(["--data-dir", data_dir, "--out-dir", str(tmp_path), *RUN])
     assert json.load(open(tmp_path / "summary.json"))["status"] == "write_failed"
@@ -185,8 +186,8 @@ def test_degenerate_data_is_an_error_before_training(tmp_path):
     (["--grad-clip", "nan"], "--grad-clip must be a finite number, got nan"),
     (["--lr=-inf"], "--lr must be a finite number"),
     (["--auto-saturation", "1.5"], "--auto-saturation is a probability"),
-    (["--cuda-graph", "on"], "--cuda-graph needs the sync-free step: --capturable on"),
-    (["--cuda-graph", "on", "--capturable", "on", "--assign", "auto"], "--cuda-graph with --assign auto"),
+    (["--cuda-graph", "on"], "--cuda-graph needs the sync-free step: --solver-opt capturable=on"),
+    (["--cuda-graph", "on", "--solver-opt", "capturable=on", "--assign", "auto"], "--cuda-graph with --assign auto"),
 ])
 def test_non_finite_and_out_of_range_flags_are_refused(data_dir, tmp_path, flags, message):
     result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *RUN, *flags),

@@ -105,8 +105,8 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(data_dir, str
 def test_a_graph_replayed_run_killed_and_resumed_trains_as_the_eager_one(data_dir, tmp_path):
     """--cuda-graph on (emulated on CPU): the lr tensors go into checkpoints and come back; the
     resumed process captures its own graph; every step equals the eager sync-free run's."""
-    graph = ["--capturable", "on", "--cuda-graph", "on"]
-    eager = run(data_dir, tmp_path / "eager", "--capturable", "on")
+    graph = ["--solver-opt", "capturable=on", "--cuda-graph", "on"]
+    eager = run(data_dir, tmp_path / "eager", "--solver-opt", "capturable=on")
     assert eager.returncode == 0, eager.stderr
     proc = start_then(data_dir, tmp_path / "graph", has_checkpoint(8), 1, *graph)
     os.killpg(proc.pid, signal.SIGKILL)

@@ -256,7 +256,7 @@ def test_the_muon_step_replayed_from_a_graph_trains_as_the_eager_one(data_dir, t
     the emulation of manifolds/step_graph.py): lr in device tensors, gradients kept in place.
     The same losses to the last bit as the eager sync-free step, through warm-up and decay."""
     common = ["--max-steps", "8", "--warmup-steps", "3", "--eval-every", "8", "--eval-tokens", "1024",
-              "--capturable", "on", "--log-every", "1"]
+              "--solver-opt", "capturable=on", "--log-every", "1"]
     eager = train(data_dir, tmp_path / "eager", *common)
     graphed = train(data_dir, tmp_path / "graph", *common, "--cuda-graph", "on")
     losses = lambda d: [r["train_loss"] for r in read_rows(d) if "train_loss" in r]  # noqa: E731

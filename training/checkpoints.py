@@ -16,18 +16,26 @@ Python values are stored, so loading uses torch.load(weights_only=True).
 Disk use of rotation: `keep` checkpoints plus the one being written, (keep + 1) x its size at
 the peak. A write that fails (full disk, quota, I/O error) removes its temporary file, leaves the
 previous checkpoints as they were and raises WriteError.
+
+What a checkpoint of train_gpt2.py holds (`checkpoint_payload`): the step, the model's state
+dict, both optimizers' states, the losses so far, the training flags and the RNG states;
+train_gpt2.py adds the train shards' fingerprint and, when they run, --assign auto's switches
+and QK-Clip's state. `restore` loads it into a freshly built model and optimizers.
 """
 import glob
 import hashlib
 import io
 import os
 import re
+from dataclasses import fields
 
 import torch
 
-from errors import write_error
+from errors import UserError, write_error
+from manifolds.plan import SolverOptions
 
 NAME = re.compile(r"ckpt_(\d{8})\.pt$")
+FORMAT = "manifold-muon-ckpt-1"  # the payload's "format": a checkpoint of this trainer
 MANIFEST = ".sha256"
 HASH_CHUNK = 1 << 22  # 4 MiB reads when verifying
 
@@ -162,7 +170,7 @@ def load_checkpoint(path):
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, bad pickle, wrong format: all mean "corrupt"
         raise ValueError(f"{path}: unreadable checkpoint ({type(err).__name__}: {str(err)[:120]})") from None
-    if not isinstance(payload, dict) or payload.get("format") != "manifold-muon-ckpt-1":
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path}: not a checkpoint of this trainer")
     return payload
 
@@ -176,3 +184,65 @@ def load_newest(out_dir, report):
             report(f"skipping {err}")
     return None, None
 
+
+# ----------------------------------------------------------------------------------------
+# What train_gpt2.py saves and resumes from
+
+# What a resumed run must share with its checkpoint: the model's shapes and assignment, and the
+# total batch (the data a step reads is a function of the step and the total batch). The
+# micro-batch and the number of processes may change: they only change the accumulation.
+RESUME_FIXED_ARGS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "assign", "total_batch_size",
+                     "qk_norm", "attn_softcap", "qk_clip")
+
+
+def find_resume_checkpoint(args, say):
+    """(path, payload) of --resume auto (the newest checkpoint in --out-dir that loads) or PATH."""
+    if args.resume == "auto":
+        path, payload = load_newest(args.out_dir, say)
+        if payload is None:
+            raise UserError(f"--resume auto: no readable checkpoint in --out-dir {args.out_dir}")
+        return path, payload
+    try:
+        return args.resume, load_checkpoint(args.resume)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
+def checkpoint_payload(step, model, adamw, muon_state, losses, args):
+    return {"format": FORMAT, "step": step, "model": model.state_dict(),
+            "adamw": adamw.state_dict(), "muon": muon_state, **losses,
+            "args": {k: v for k, v in vars(args).items() if k != "assignment"},
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
+
+
+def solver_settings(args):
+    """{solver option: value} a run's flags (a dict of them) set: --kernels, --solver-precision and
+    --solver-opt, with SolverOptions' defaults for the rest."""
+    given = {"backend": args.get("kernels", "auto"), "precision": args.get("solver_precision", "auto"),
+             **args.get("solver_options", {})}
+    return {f.name: given.get(f.name, f.default) for f in fields(SolverOptions)}
+
+
+def restore(payload, model, adamw, muon, args):
+    """Load a checkpoint into the model, the optimizers and the RNGs. Returns {solver option:
+    (checkpoint's value, this run's)} for the solver options this run changes: they are this
+    run's flags (they change cost and accuracy, not what is trained), and so is --dgram-cap."""
+    saved = payload["args"]
+    fixed = RESUME_FIXED_ARGS + (("auto_base",) if args.assign.strip() == "auto" else ())
+    changed = [k for k in fixed if k in saved and saved[k] != getattr(args, k)]
+    if changed:
+        raise UserError("cannot resume: the checkpoint was written with a different "
+                        + ", ".join(f"--{k.replace('_', '-')} ({saved.get(k)} there, {getattr(args, k)} now)"
+                                    for k in changed))
+    model.load_state_dict(payload["model"])
+    adamw.load_state_dict(payload["adamw"])
+    caps = [group.get("dgram_cap") for group in muon.param_groups]
+    muon.load_state_dict(payload["muon"])  # brings back the checkpoint's group options
+    for group, cap in zip(muon.param_groups, caps):
+        group["dgram_cap"] = cap
+    torch.set_rng_state(payload["rng"]["cpu"])
+    if payload["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
+    before, now = solver_settings(saved), solver_settings(vars(args))
+    return {k: (before[k], now[k]) for k in now if before[k] != now[k]}

@@ -9,6 +9,8 @@
   (checkpoints, manifests, JSON); under the lock nobody else can be writing them.
 - check_shared_out_dir: checkpoints are written by global rank 0 alone, so on several nodes
   --out-dir must be one shared folder. Rank 0 writes a token there and every rank reads it back.
+- check_out_dir, before anything starts: a folder that holds another run is continued
+  (--resume) or cleared (--overwrite, `clear_run`), never mixed with a new one.
 """
 import fcntl
 import glob
@@ -87,3 +89,35 @@ def check_shared_out_dir(out_dir, rank, world_size):
                         f"on {views[0][1]} wrote there. Checkpoints are written by rank 0 alone, so a resume "
                         "on other nodes needs the folder: put --out-dir on a filesystem every node mounts "
                         "(the same absolute path on each)")
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json")
+
+
+def check_out_dir(args):
+    """Refuse to mix two runs in one folder, to resume nothing, or to write where we cannot."""
+    holds_run = any(os.path.exists(os.path.join(args.out_dir, f)) for f in RUN_FILES)
+    if args.resume is None and holds_run and not args.overwrite:
+        raise UserError(f"--out-dir {args.out_dir} holds another run; pass --resume auto to continue it "
+                        "or --overwrite to start afresh there")
+    if args.resume is not None and args.overwrite:
+        raise UserError("--resume and --overwrite contradict each other")
+    if args.resume == "auto" and not glob.glob(os.path.join(args.out_dir, "ckpt_*.pt")):
+        raise UserError(f"--resume auto: no checkpoint in --out-dir {args.out_dir} (drop --resume to start afresh)")
+    if args.resume not in (None, "auto") and not os.path.isfile(args.resume):
+        raise UserError(f"--resume {args.resume}: no such checkpoint file")
+    existing = args.out_dir
+    while not os.path.exists(existing):
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.path.isdir(existing):
+        raise UserError(f"--out-dir {args.out_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out-dir {args.out_dir} is not writable")
+
+
+def clear_run(out_dir):
+    """--overwrite: delete another run's logs and checkpoints (the lock is held)."""
+    for path in ([os.path.join(out_dir, f) for f in RUN_FILES] + glob.glob(os.path.join(out_dir, "*.pt"))
+                 + glob.glob(os.path.join(out_dir, "*.pt.sha256"))):
+        if os.path.exists(path):
+            os.remove(path)
