@@ -32,10 +32,6 @@ from manifolds.geometry import geometry
 from manifolds.optimum import optimum, quality
 from manifolds.plan import SolverOptions, plan_for
 
-# tol of the sweep's solves: positive (SolverOptions requires it) yet below any relative change an
-# iteration makes, so that no matrix stops early and every row runs its whole budget
-NO_EARLY_EXIT = 1e-30
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,7 +94,7 @@ def main():
         print(f"{row_label(row)} | " + " | ".join(f"{x:.4f}" for x in qualities), flush=True)
     print("cold (first step, 6 iterations):  penalty | " + " | ".join(m for _, _, m, _ in cases))
     for penalty in args.penalties:
-        cold = plan_for(SolverOptions(iterations=3, tol=NO_EARLY_EXIT, rho=penalty), "cpu")
+        cold = plan_for(SolverOptions(iterations=3, tol=0, rho=penalty), "cpu")
         row = [quality(W[0].double(), Gs[-1][0].double(),
                        solve_tall(W, Gs[-1], geometry(m), None, cold).A[0].double(), opt)
                for W, Gs, m, opt in cases]
@@ -120,7 +116,7 @@ def parse_shape(text):
 def row_plan(args, row, iterations):
     """The CPU SolverPlan of one row of the sweep at an iteration budget (fixed budgets, sync-free)."""
     penalty, growth, relax, precision, average, pullbacks = row
-    return plan_for(SolverOptions(iterations=iterations, pullbacks=pullbacks, tol=NO_EARLY_EXIT, rho_warm=penalty,
+    return plan_for(SolverOptions(iterations=iterations, pullbacks=pullbacks, tol=0, rho_warm=penalty,
                                   rho_growth=growth, relax=relax, warm_average=average, clip=args.clip,
                                   precision=precision, capturable=True), "cpu")
 
