@@ -1,5 +1,5 @@
 """ManifoldMuon under torch.distributed: pieces balanced over the ranks by estimated cost,
-one flat all-gather per step (issue 15, lever 2)."""
+one flat all-gather per step."""
 import os
 
 import pytest
@@ -8,7 +8,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from manifolds import ManifoldMuon, project_to_manifold
-from manifolds.optimizer import balanced_owners, piece_cost
+from manifolds.optimizer import balanced_owners
+from manifolds.work import piece_cost
 
 LAYOUTS = {  # {module key: manifold or qkv blocks} as train_gpt2's --assign presets give them
     "hetero": {"attn.qkv": "stiefel", "attn.proj": "stiefel", "mlp.fc": "dgram", "mlp.proj": "dgram"},
@@ -55,7 +56,7 @@ def rank_loads(opt, world):
     for rank in range(world):
         opt.rank = rank
         pieces = opt.owned_pieces()
-        loads.append((sum(piece_cost(p) for p in pieces), [p.key for p in pieces]))
+        loads.append((sum(piece_cost(p, opt.plan) for p in pieces), [p.key for p in pieces]))
     return loads
 
 
@@ -82,11 +83,12 @@ def test_eight_ranks_each_get_a_balanced_share_and_every_piece_once(layout, n_em
 
 def test_costs_order_the_solvers():
     _, groups = gpt2_matrices(32, 1, "hetero", init=False)
-    cost = {piece.group["name"].split("=")[0]: piece_cost(piece) for piece in ManifoldMuon(groups).pieces()}
-    # ADMM (tall, span-reduced) > square Stiefel's one dual evaluation; the two MLP orientations equal
+    opt = ManifoldMuon(groups)
+    cost = {piece.group["name"].split("=")[0]: piece_cost(piece, opt.plan) for piece in opt.pieces()}
+    # ADMM (tall, span-reduced) > square Stiefel's exact step; the two MLP orientations equal
     assert cost["mlp.fc"] == cost["mlp.proj"] > cost["attn.qkv"] > cost["attn.proj"] > 0
     plain = ManifoldMuon([{"params": groups[0]["params"], "manifold": "none"}])
-    assert 0 < piece_cost(next(plain.pieces())) < cost["attn.proj"]
+    assert 0 < piece_cost(next(plain.pieces()), plain.plan) < cost["attn.proj"]
 
 
 def test_exchange_volume_is_the_largest_rank_padded():
@@ -108,7 +110,7 @@ STEPS = 2
 
 
 def run_one_rank(params, groups, steps, state=None, reassign=False):
-    opt = ManifoldMuon(groups, lr=0.05, admm_steps=4)
+    opt = ManifoldMuon(groups, lr=0.05, iterations=4)
     if state is not None:
         opt.load_state_dict(state)
     for step in steps:
