@@ -27,6 +27,7 @@ PRESETS = {
     "hetero": "attn=stiefel,mlp=dgram",
     "hetero-inv": "attn=dgram,mlp=stiefel",
     "hetero-qk": "attn.qk=stiefel,attn.v=dgram,attn.proj=dgram,mlp=dgram",
+    "all-oblique": "attn=oblique,mlp=oblique",
 }
 
 

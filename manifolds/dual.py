@@ -13,9 +13,9 @@ scale, the multiplier does not). Two algorithms, chosen by shape:
 * everything else: ADMM on  max <G, B>,  B tangent,  Z in the unit spectral ball,  B = Z:
       B <- Proj_T(Z - U + G / rho);   Z <- clip(B + U);   U <- U + B - Z
   (`admm_iterations`), `clip` capping singular values at 1 (`spectral_clip`). Tall banks
-  (rows >= 2 cols) run it as the equivalent 2q x q problem in span[W, G] (span.py), all such
-  banks of one q stacked into one batch (`admm_in_span`); near-square banks on the full
-  matrices (`admm_full`). Each step after the first starts from the previous step's
+  (rows >= 2 cols) on a manifold of orthogonal columns run it as the equivalent 2q x q problem
+  in span[W, G] (span.py), all such banks of one q stacked into one batch (`admm_in_span`);
+  near-square and Oblique banks on the full matrices (`admm_full`). Each step after the first starts from the previous step's
   multiplier, kept as the correction Lambda - Lambda0 (a q x q matrix, the same in any basis).
 
 Every answer ends tangent (an exact projection) and scaled to ||A||_op = 1 (`finalize_banks`).
@@ -265,8 +265,8 @@ def admm_in_span(problems, plan):
 
 
 def admm_full(W, G, geo, correction, plan):
-    """ADMM on the full p x q matrices (near-square banks), products at fp32; only the matrix
-    signs follow the plan's sign dtype."""
+    """ADMM on the full p x q matrices (near-square and Oblique banks), products at fp32; only
+    the matrix signs follow the plan's sign dtype."""
     d2 = geo.squared_norms(W)
     B, correction, residual, iterations = admm_iterations(W, G, geo, correction, plan, d2)
     return Solution(finalize_banks([(W, B, geo, d2)], plan)[0], correction, residual, iterations)
@@ -274,7 +274,7 @@ def admm_full(W, G, geo, correction, plan):
 
 def admm(W, G, geo, correction, plan):
     """ADMM on one bank of any batch shape: in span coordinates for rows >= 2 cols."""
-    if not reducible(W):
+    if not reducible(W, geo):
         return admm_full(W, G, geo, correction, plan)
     batch = W.shape[:-2]  # admm_in_span stacks banks of one batch dimension
     flat = lambda X: X.reshape((-1,) + X.shape[len(batch):])  # noqa: E731
@@ -285,9 +285,10 @@ def admm(W, G, geo, correction, plan):
                     s.iterations, s.fallbacks)
 
 
-def reducible(W):
-    """Solved in span[W, G] (2q x q) rather than on the p x q matrices: rows >= 2 cols."""
-    return W.size(-2) >= 2 * W.size(-1)
+def reducible(W, geo):
+    """Solved in span[W, G] (2q x q) rather than on the p x q matrices: rows >= 2 cols, on a
+    manifold whose Gram is diagonal (span.py needs W^T W = D^2)."""
+    return geo.orthogonal_columns and W.size(-2) >= 2 * W.size(-1)
 
 
 # --- square Stiefel and the final answer ----------------------------------------------------
@@ -356,7 +357,7 @@ def solve_tall_banks(banks, plan):
     solutions = [None] * len(banks)
     stacks = {}
     for i, (W, G, geo, state) in enumerate(banks):
-        if geo.name in ("stiefel", "dgram") and reducible(W):
+        if geo.name in ("stiefel", "dgram") and reducible(W, geo):
             key = (W.size(-1), state is None, W.dtype, W.device)
             stacks.setdefault(key, []).append((i, (W, unit(G), geo, state)))
         else:

@@ -1,24 +1,32 @@
 """The geometry of each manifold a weight matrix can be assigned to.
 
 Everything here works on the tall orientation: W is (..., p, q) with p >= q, so constraints
-act on the q x q Gram matrix W^T W. A manifold is described by its Gram projector P (acting on
-symmetric q x q matrices) and by the squared column norms d^2 that scale its tangent geometry:
+act on the q x q Gram matrix W^T W. A manifold is described by its Gram projector P, a symmetric
+0/1 mask on the Gram (P(S) = mask * S), and by the squared column norms d^2 that scale its
+tangent geometry:
 
-    Stiefel  P = identity       {W : W^T W = I}              d = 1
-    DGram    P = Off (zero diag) {W : Off(W^T W) = 0} = {Q D}  d = column norms of W
-    DGram-cap  DGram with column norms d_i <= C                    d = column norms of W
-               (a manifold with boundary; see DGramCap for its tangent cone at the cap)
-    none     no constraint (plain Muon)
+    Stiefel    P = identity (all ones)     {W : W^T W = I}                    d = 1
+    DGram      P = Off (ones off the diag) {W : Off(W^T W) = 0} = {Q D}       d = column norms of W
+    Oblique    P = Diag (the identity)     {W : diag(W^T W) = 1}              d = column norms of W
+    DGram-cap  DGram with column norms d_i <= C (a manifold with boundary; see DGramCap)
+    none       P = 0: no constraint (plain Muon)
 
-The tangent space at W is {A : P(W^T A + A^T W) = 0}. On the manifold W^T W = D^2, so
-for symmetric M in range(P),  W^T (W M) + (W M)^T W = D^2 M + M D^2,  entry (i, j) being
-(d_i^2 + d_j^2) M_ij. That one identity gives the exact tangent projection and the exact
+The tangent space at W is {A : P(W^T A + A^T W) = 0}. For symmetric M in range(P) the identity
+
+    P(W^T (W M) + (W M)^T W)_ij = (d_i^2 + d_j^2) M_ij
+
+holds whenever the Gram entries it reads are diagonal: on Stiefel and DGram (W^T W = D^2), and
+on Oblique for any W (M is diagonal, and only (W^T W)_ii = d_i^2 enters). That one identity gives
+the exact tangent projection A - W M with M = P(W^T A + A^T W) / (d_i^2 + d_j^2), and the exact
 multiplier Lambda0 = -P(W^T G + G^T W) / (2 (d_i^2 + d_j^2)) of the Euclidean projection of G.
+
+The fused kernels (kernels/tangent.py) apply Stiefel's, DGram's and none's P themselves
+(`kernel_name`); any other mask runs Stiefel's kernel and one masked select after it.
 """
 import torch
 
 import kernels
-from kernels.products_torch import off_diagonal, pair_scale
+from kernels.products_torch import pair_scale
 from kernels.tangent import correction_product
 
 
@@ -31,52 +39,66 @@ def polar_svd(X):
     return (U @ Vh).to(X.dtype)
 
 
-class Manifold:
-    """Interface shared by every manifold; `none` is the degenerate case.
+def column_norms(X):
+    return X.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny ** 0.5)
 
-    The tangent operations run through `kernels` (fused Triton kernels on CUDA, torch
-    elsewhere, as `backend` says); d2 are the squared column norms d_i^2 (..., q), which a
-    solver computes once per bank and passes along.
+
+def diagonal_mask(keep):
+    """The Gram mask that keeps every off-diagonal entry and the diagonal entries of `keep`
+    (..., q): all True is Stiefel's, all False DGram's."""
+    return torch.diag_embed(~keep).logical_not()
+
+
+class Manifold:
+    """Interface shared by every manifold.
+
+    The tangent operations run through `kernels` (fused Triton kernels on CUDA, torch elsewhere,
+    as `backend` says); d2 are the squared column norms d_i^2 (..., q), which a solver computes
+    once per bank and passes along.
     """
 
     name = "abstract"
+    kernel_name = None     # P as the fused kernels apply it ("stiefel", "dgram", "none"), or None: a mask
+    orthogonal_columns = False  # W^T W diagonal on the manifold: the span reduction (span.py) applies
+
+    def gram_mask(self, q, device):
+        """P's mask, a (..., q, q) bool tensor that broadcasts over the batch."""
+        raise NotImplementedError
 
     def gram_projector(self, S):
         """P(S) for symmetric S (..., q, q)."""
-        raise NotImplementedError
+        return torch.where(self.gram_mask(S.size(-1), S.device), S, 0.0)
 
     def squared_norms(self, W):
-        """d_i^2 as a (..., q) tensor (Stiefel: d = 1)."""
-        return torch.ones(W.shape[:-2] + W.shape[-1:], dtype=W.dtype, device=W.device)
-
-    def keeps_diagonal(self, W):
-        """Which diagonal entries P keeps, one bool per column (..., q): Stiefel all, DGram none."""
-        return torch.full(W.shape[:-2] + W.shape[-1:], self.kernel_name == "stiefel", dtype=torch.bool,
-                          device=W.device)
+        """d_i^2 as a (..., q) tensor: the column norms of W, which on Stiefel are 1."""
+        return W.square().sum(dim=-2)
 
     def pair_scale(self, W):
         """(d_i^2 + d_j^2) as a (..., q, q) tensor: the Gram-space metric at W."""
         return pair_scale(self.squared_norms(W))
 
-    # The Gram-space operations the solvers use, each one fused kernel call (kernels/tangent.py)
-    kernel_name = None  # the projector P as the kernels know it: "stiefel", "dgram" or "none"
-
     def tangent_residual(self, W, A, backend="auto", with_norm=False):
         """H = P(W^T A + A^T W): zero exactly when A is tangent at W (with_norm: and ||H||_F^2)."""
-        return kernels.tangent_residual(W, A, self.kernel_name, backend, with_norm)
+        if self.kernel_name is not None:
+            return kernels.tangent_residual(W, A, self.kernel_name, backend, with_norm)
+        H = self.gram_projector(kernels.tangent_residual(W, A, "stiefel", backend))
+        return (H, H.square().sum(dim=(-2, -1))) if with_norm else H
 
     def preconditioned(self, W, A, d2, alpha=1.0, backend="auto"):
         """alpha P(W^T A + A^T W) / (d_i^2 + d_j^2)."""
-        return kernels.preconditioned(W, A, self.kernel_name, d2, alpha, backend)
+        if self.kernel_name is not None:
+            return kernels.preconditioned(W, A, self.kernel_name, d2, alpha, backend)
+        return self.gram_projector(kernels.preconditioned(W, A, "stiefel", d2, alpha, backend))
 
     def tangent_projection(self, W, A, d2=None, backend="auto", tf32_correction=False):
-        """Euclidean projection of A onto the tangent space at W (W on the manifold).
-
-        A_T = A - W M with M_ij = H_ij / (d_i^2 + d_j^2), which makes P(W^T A_T + A_T^T W) = 0.
-        tf32_correction: W M at TF32, for an A that is tangent up to rounding (kernels/tangent.py).
-        """
+        """Euclidean projection of A onto the tangent space at W (W on the manifold):
+        A - W M with M = P(W^T A + A^T W) / (d_i^2 + d_j^2), which makes P(W^T A_T + A_T^T W) = 0.
+        tf32_correction: W M at TF32, for an A that is tangent up to rounding (kernels/tangent.py)."""
         d2 = self.squared_norms(W) if d2 is None else d2
-        return kernels.tangent_projection(W, A, self.kernel_name, d2, backend, tf32_correction)
+        if self.kernel_name is not None:
+            return kernels.tangent_projection(W, A, self.kernel_name, d2, backend, tf32_correction)
+        M = self.preconditioned(W, A, d2, 1.0, backend)
+        return correction_product(W, M, A, -1.0, kernels.products_for(backend, W, A), tf32_correction)
 
     def retract(self, X, near=True, backend="auto", tf32_correction=False):
         """Map X back onto the manifold; near=True assumes X is already close to it
@@ -90,36 +112,37 @@ class Manifold:
 
 class Stiefel(Manifold):
     name = kernel_name = "stiefel"
+    orthogonal_columns = True
 
-    def gram_projector(self, S):
-        return S
+    def gram_mask(self, q, device):
+        return torch.ones(q, q, dtype=torch.bool, device=device)
+
+    def squared_norms(self, W):
+        return torch.ones(W.shape[:-2] + W.shape[-1:], dtype=W.dtype, device=W.device)
 
     def retract(self, X, near=True, backend="auto", tf32_correction=False):
-        # R(X) = msign(X): the closest matrix with orthonormal columns.
+        # R(X) = msign(X): the closest matrix with orthonormal columns
         if not near:
             return polar_svd(X)
         return kernels.orthonormalize_near(X, backend=backend, tf32_correction=tf32_correction)
 
     def violation(self, W):
         # max |W^T W - I|
-        gram = W.mT @ W
         eye = torch.eye(W.size(-1), dtype=W.dtype, device=W.device)
-        return (gram - eye).abs().amax(dim=(-2, -1))
+        return (W.mT @ W - eye).abs().amax(dim=(-2, -1))
 
 
 class DGram(Manifold):
     name = kernel_name = "dgram"
+    orthogonal_columns = True
 
-    def gram_projector(self, S):
-        return off_diagonal(S)
-
-    def squared_norms(self, W):
-        return W.square().sum(dim=-2)
+    def gram_mask(self, q, device):
+        return ~torch.eye(q, dtype=torch.bool, device=device)
 
     def retract(self, X, near=True, backend="auto", tf32_correction=False):
         # R(X) = msign(X N^-1) N, N = diag(column norms of X). On the manifold X = Q D, so
         # X N^-1 = Q and R(X) = X: a true retraction that keeps each column's norm.
-        norms = X.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(X.dtype).tiny ** 0.5)
+        norms = column_norms(X)
         unit = X / norms
         Q = (kernels.orthonormalize_near(unit, backend=backend, tf32_correction=tf32_correction) if near
              else polar_svd(unit))
@@ -137,11 +160,30 @@ class DGram(Manifold):
         return off.abs().amax(dim=(-2, -1)) / diag.amax(dim=-1).clamp_min(1e-30)
 
 
+class Oblique(Manifold):
+    """Unit column norms, the columns free to turn: {W : diag(W^T W) = 1}.
+
+    Its Gram is not diagonal, so the span reduction does not apply (orthogonal_columns False):
+    ADMM runs on the full matrices. The retraction R(X) = X N^-1 is exact: R(W) = W on the set.
+    """
+    name = "oblique"
+
+    def gram_mask(self, q, device):
+        return torch.eye(q, dtype=torch.bool, device=device)
+
+    def retract(self, X, near=True, backend="auto", tf32_correction=False):
+        return X / column_norms(X)
+
+    def violation(self, W):
+        # max |diag(W^T W) - 1|
+        return (W.square().sum(dim=-2) - 1).abs().amax(dim=-1)
+
+
 class Unconstrained(Manifold):
     name = kernel_name = "none"
 
-    def gram_projector(self, S):
-        return torch.zeros_like(S)
+    def gram_mask(self, q, device):
+        return torch.zeros(q, q, dtype=torch.bool, device=device)
 
     def retract(self, X, near=True, backend="auto", tf32_correction=False):
         return X
@@ -163,9 +205,9 @@ class DGramCap(DGram):
     (W^T A)_ii >= 0 for each column at the cap} (the step is W - eta A, and the norm of
     column i changes at first order by -2 eta (W^T A)_ii). The solver handles the cone by an
     active set: columns at the cap whose DGram direction would grow them are pinned,
-    (W^T A)_ii = 0, which makes the Gram projector P keep those diagonal entries: the same
-    Gram-space identity (d_i^2 + d_j^2) M_ij then projects exactly. `pinned` is that set,
-    one bool per column (..., q); `pin` returns the geometry with it.
+    (W^T A)_ii = 0, which makes P keep those diagonal entries: the same Gram-space identity
+    then projects exactly. `pinned` is that set, one bool per column (..., q); `pin` returns the
+    geometry with it (its mask no longer DGram's: kernel_name None).
     """
     name = "dgram-cap"
 
@@ -174,6 +216,7 @@ class DGramCap(DGram):
             raise ValueError(f"the DGram cap must be positive; got {cap}")
         self.cap = float(cap)
         self.pinned = pinned
+        self.kernel_name = "dgram" if pinned is None else None
 
     def pin(self, pinned):
         return DGramCap(self.cap, pinned)
@@ -182,32 +225,8 @@ class DGramCap(DGram):
         """Columns whose norm is at the cap (retraction leaves them at C up to rounding)."""
         return self.squared_norms(W).sqrt() >= self.cap * (1 - rtol)
 
-    def keeps_diagonal(self, W):
-        if self.pinned is None:
-            return super().keeps_diagonal(W)
-        return self.pinned
-
-    # With pinned columns the projector is a per-column mask: MaskedGram's operations
-    def gram_projector(self, S):
-        if self.pinned is None:
-            return off_diagonal(S)
-        return MaskedGram(self.pinned).gram_projector(S)
-
-    def tangent_residual(self, W, A, backend="auto", with_norm=False):
-        if self.pinned is None:
-            return super().tangent_residual(W, A, backend, with_norm)
-        return MaskedGram(self.pinned).tangent_residual(W, A, backend, with_norm)
-
-    def preconditioned(self, W, A, d2, alpha=1.0, backend="auto"):
-        if self.pinned is None:
-            return super().preconditioned(W, A, d2, alpha, backend)
-        return MaskedGram(self.pinned).preconditioned(W, A, d2, alpha, backend)
-
-    def tangent_projection(self, W, A, d2=None, backend="auto", tf32_correction=False):
-        if self.pinned is None:
-            return super().tangent_projection(W, A, d2, backend, tf32_correction)
-        d2 = self.squared_norms(W) if d2 is None else d2
-        return MaskedGram(self.pinned).tangent_projection(W, A, d2, backend, tf32_correction)
+    def gram_mask(self, q, device):
+        return super().gram_mask(q, device) if self.pinned is None else diagonal_mask(self.pinned)
 
     def column_scale(self, norms):
         return norms.clamp_max(self.cap)  # R(X) = msign(X N^-1) min(N, C)
@@ -219,51 +238,21 @@ class DGramCap(DGram):
 
 
 class MaskedGram(Manifold):
-    """The Gram geometry of a batch whose matrices (or columns) differ only in P's diagonal.
-
-    P(S) = S - diag(S) * ~keep, `keep` (..., q) one bool per column: Stiefel's P keeps every
-    diagonal entry, DGram's none, dgram-cap's pinned columns theirs. Stacking Stiefel and DGram
-    problems into one batch (span coordinates make them all 2q x q, span.StackedSpans)
-    then needs nothing but this mask; the squared column norms d2 come with each problem
-    (Stiefel: 1). The operations are Stiefel's fused kernels followed by the mask.
-    """
+    """The Gram geometry of a batch whose matrices differ only in P's mask (..., q, q): Stiefel
+    and DGram problems stacked into one batch (span coordinates make them all 2q x q,
+    span.StackedSpans), or dgram-cap with pinned columns. The squared column norms d2 come with
+    each problem (Stiefel: 1)."""
     name = "masked"
-    kernel_name = "stiefel"
+    orthogonal_columns = True
 
-    def __init__(self, keep):
-        self.keep = keep
-        self._entries = None
+    def __init__(self, mask):
+        self.mask = mask
 
-    def kept_entries(self):
-        """The entries P keeps, a (..., q, q) bool mask (all but the dropped diagonal ones)."""
-        if self._entries is None:
-            self._entries = torch.diag_embed(~self.keep).logical_not()
-        return self._entries
-
-    def gram_projector(self, S):
-        # one masked select (a launch) where the diagonal read, scale and subtract took five:
-        # the solvers project in every iteration
-        return torch.where(self.kept_entries(), S, 0.0)
-
-    def tangent_residual(self, W, A, backend="auto", with_norm=False):
-        # Stiefel's P (the full symmetric part), then the diagonal entries not kept zeroed
-        H = self.gram_projector(kernels.tangent_residual(W, A, "stiefel", backend))
-        return (H, H.square().sum(dim=(-2, -1))) if with_norm else H
-
-    def preconditioned(self, W, A, d2, alpha=1.0, backend="auto"):
-        return self.gram_projector(kernels.preconditioned(W, A, "stiefel", d2, alpha, backend))
-
-    def tangent_projection(self, W, A, d2=None, backend="auto", tf32_correction=False):
-        if d2 is None:
-            raise ValueError("MaskedGram needs the problems' squared column norms d2")
-        M = self.preconditioned(W, A, d2, 1.0, backend)
-        return correction_product(W, M, A, -1.0, kernels.products_for(backend, W, A), tf32_correction)
-
-    def keeps_diagonal(self, W):
-        return self.keep
+    def gram_mask(self, q, device):
+        return self.mask
 
 
-MANIFOLDS = {m.name: m for m in (Stiefel(), DGram(), DGramCap(), Unconstrained())}
+MANIFOLDS = {m.name: m for m in (Stiefel(), DGram(), Oblique(), DGramCap(), Unconstrained())}
 
 
 def geometry(name, dgram_cap=1.0):

@@ -43,7 +43,7 @@ class StackedSpans:
 
     Only K = V^T V (and the final lift V c) touch the p_i rows, bank by bank; everything else
     is 2q x q whatever p_i, and Stiefel and DGram problems differ only in the Gram projector's
-    diagonal (geometry.MaskedGram) and in d2: one batch, each product one launch for all.
+    mask (geometry.MaskedGram) and in d2: one batch, each product one launch for all.
     Off the manifold by rounding (W^T W = D^2 + O(eps)) the reduced problem differs from the
     original by as much: the lifted answer is tangent at W to about that (relative ~1e-6; a
     projection on the full matrices would cost two products at p rows), and the retraction
@@ -93,10 +93,11 @@ class StackedSpans:
         v = power_steps(K, torch.ones(K.shape[:-1] + (1,), dtype=K.dtype, device=K.device), 8, every=4)
         self.K_norm = (v * (K @ v)).sum(dim=(-2, -1))
         geos = [geo for _, _, geo, _ in banks]
-        if len({type(geo) for geo in geos}) == 1 and all(getattr(geo, "pinned", None) is None for geo in geos):
-            self.geo = geos[0]  # one manifold: its own projector, no mask
+        if len({geo.name for geo in geos}) == 1 and geos[0].kernel_name is not None:
+            self.geo = geos[0]  # one manifold the kernels know: its own projector, no mask
         else:
-            self.geo = MaskedGram(torch.cat([geo.keeps_diagonal(W) for (W, _, geo, _) in banks]))
+            self.geo = MaskedGram(torch.cat([geo.gram_mask(q, W.device).expand(W.shape[:-2] + (q, q))
+                                             for (W, _, geo, _) in banks]))
         # P(S) / (d_i^2 + d_j^2) = S * (P(J) / (d_i^2 + d_j^2)), J all ones: every Gram projector
         # here keeps or zeroes entries, so `project` pays one product for P and the metric
         self.projector_scale = self.geo.gram_projector(torch.ones_like(pair)) / pair

@@ -9,10 +9,12 @@ a step, which is what a GPU estimate uses.
 Terms follow manifolds/dual.py on the tall orientation p x q (p >= q); one polynomial matrix-sign
 step on the q x p orientation is S = X X^T, S^2, B X: 2 p q^2 + q^3. Early exits on convergence
 are ignored (a warm step of the sync-free mode runs its whole budget). dgram-cap is costed as
-dgram: its active-set rounds run only with columns at the cap. Integers, so that ties in the
+dgram: its active-set rounds run only with columns at the cap; Oblique runs ADMM on the full
+matrices (its Gram is not diagonal). Integers, so that ties in the
 balancing are exact on every rank.
 """
 from kernels.matrix_sign import CLIP_SCHEDULE
+from manifolds.geometry import geometry
 from manifolds.plan import MUON_STEPS
 
 
@@ -31,7 +33,7 @@ def matrix_work(manifold, p, q, plan):
                 "polish": 2 * p * q * q + sign_work(p, q, 2), "projection and norm": 3 * p * q * q + 5 * q ** 3,
                 "retraction": retraction}
     iterations = plan.options.iterations * (2 if p < 2 * q else 1)
-    reduced = p >= 2 * q  # ADMM in span[W, G]: its iterations on 2q x q problems
+    reduced = geometry(manifold).orthogonal_columns and p >= 2 * q  # ADMM in span[W, G]: on 2q x q problems
     n = 2 * q if reduced else p
     projection = 2 * q * q if reduced else 2 * p * q * q
     if plan.clip == "eigh":
