@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from manifolds.dual import SolverOptions, solve_tall, solve_tall_banks
-from manifolds.geometry import DGramCap, MaskedGram, geometry
+from manifolds.geometry import DGramCap, MaskedGram, diagonal_mask, geometry
 from manifolds.optimum import random_point
 from manifolds.plan import plan_for
 
@@ -64,7 +64,7 @@ def test_masked_gram_is_stiefel_or_dgram_per_matrix():
     W = torch.stack([Ws, Wd])
     d2 = torch.stack([torch.ones(16), Wd.square().sum(0)])
     keep = torch.stack([torch.ones(16, dtype=torch.bool), torch.zeros(16, dtype=torch.bool)])
-    mixed = MaskedGram(keep)
+    mixed = MaskedGram(diagonal_mask(keep))
     projected = mixed.tangent_projection(W, A, d2, "torch")
     for i, manifold in enumerate(["stiefel", "dgram"]):
         geo = geometry(manifold)
@@ -73,7 +73,7 @@ def test_masked_gram_is_stiefel_or_dgram_per_matrix():
     # dgram-cap's pinned columns are the same mask
     pinned = torch.rand(2, 16) > 0.5
     S = torch.randn(2, 16, 16)
-    torch.testing.assert_close(DGramCap(1.0, pinned).gram_projector(S), MaskedGram(pinned).gram_projector(S))
+    torch.testing.assert_close(DGramCap(1.0, pinned).gram_projector(S), MaskedGram(diagonal_mask(pinned)).gram_projector(S))
 
 
 def test_bf16_iterations_end_in_an_fp32_feasible_direction():

@@ -179,7 +179,7 @@ def matrix_stats(plan, dgram_cap=1.0):
         for label, lo, hi, manifold in blocks:
             block = W[lo:hi]
             out["manifold_violation"][label] = manifold_violation(block, manifold, dgram_cap)
-            if manifold in ("dgram", "dgram-cap"):
+            if manifold in ("dgram", "dgram-cap", "oblique"):
                 tall = block if block.size(-2) >= block.size(-1) else block.mT
                 norms = tall.double().norm(dim=-2)
                 out["col_norm_min"][label], out["col_norm_max"][label] = float(norms.min()), float(norms.max())

@@ -15,6 +15,7 @@ rescalings keep a matrix on its manifold decides what we do (tall orientation W,
   the q and k blocks.
 * stiefel (W^T W = I): no scaling is on the manifold; nothing is done, and the skip is counted.
   Its logits are bounded anyway: |q_i . k_j| <= |x_i| |x_j| / sqrt(d_head).
+* oblique (diag(W^T W) = 1): any scaling changes the unit column norms; nothing is done either.
 
 When only one of the q and k matrices can be scaled (split blocks, one of them Stiefel), it
 takes the whole factor gamma instead of sqrt(gamma).
@@ -26,7 +27,7 @@ here reads a device value on the host: the counters are tensors, read when a row
 import torch
 import torch.distributed as dist
 
-SCALABLE = {"none": "rows", "dgram": "matrix", "dgram-cap": "matrix", "stiefel": None}
+SCALABLE = {"none": "rows", "dgram": "matrix", "dgram-cap": "matrix", "stiefel": None, "oblique": None}
 
 
 class QKClip:
