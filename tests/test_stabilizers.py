@@ -1,4 +1,4 @@
-"""The attention-logit stabilizers: --qk-norm, --qk-clip TAU, --attn-softcap C (issue 18)."""
+"""The attention-logit stabilizers: --qk-norm, --qk-clip TAU, --attn-softcap C, combinable with any --assign."""
 import json
 
 import pytest
