@@ -125,20 +125,21 @@ def test_minimax_schedules_are_computed_and_land_in_fp32_at_the_end(name, lower)
     assert float((x - 1).abs().max()) < FP32_AT_ONE and errors[-1] < FP32_AT_ONE
 
 
-@pytest.mark.parametrize("name, lower", SCHEDULES[:2])
-def test_minimax_schedules_land_in_tf32_rounding_one_step_early(name, lower):
-    """steps_for drops a schedule's last step at TF32 (the clip's; the polar factor runs all six):
-    the step before must already leave its range within ~5e-4 of 1 (TF32's unit rounding
-    2^-11 = 4.9e-4)."""
+def test_clip_schedule_lands_in_tf32_rounding_one_step_early():
+    """Below fp32 the plan drops the clip's last step (plan.clip_steps; ADMM's polar start runs
+    all of POLAR_SCHEDULE at every precision): the step before must already leave the clip's
+    range within ~5e-4 of 1 (TF32's unit rounding 2^-11 = 4.9e-4)."""
+    from manifolds.plan import SolverOptions, plan_for
     ms = kernels.matrix_sign
-    schedule, lower = getattr(ms, name), getattr(ms, lower)
-    x = torch.linspace(lower, 1.0, 200001, dtype=torch.float64)
+    schedule = ms.CLIP_SCHEDULE
+    for precision, clip_steps in (("fp32", len(schedule)), ("tf32", len(schedule) - 1), ("bf16", len(schedule) - 1)):
+        plan = plan_for(SolverOptions(precision=precision, clip="polynomial"), "cpu")
+        assert (plan.clip_steps, plan.polar_steps) == (clip_steps, len(ms.POLAR_SCHEDULE)), precision
+    x = torch.linspace(ms.CLIP_LOWER, 1.0, 200001, dtype=torch.float64)
     distances = []
     for a, b, c in schedule:
         x = a * x + b * x ** 3 + c * x ** 5
         distances.append(float((x - 1).abs().max()))
-    assert ms.steps_for(schedule, low_precision=True) == len(schedule) - 1
-    assert ms.steps_for(schedule, low_precision=False) == len(schedule)
     assert distances[-2] < 2 ** -10 < distances[-3]  # one step short lands at TF32, two short do not
 
 
@@ -159,8 +160,8 @@ def tf32_top_singular_value(schedule, steps, seeds):
 
 
 def test_minimax_schedules_stay_stable_at_tf32():
-    # as they run under tf32 iterations: the clip's signs one step short (steps_for), the polar
-    # factor all 6 (dual.polar), square Stiefel's exact step all 7 (manifolds/dual.exact_msign)
+    # as they run under tf32 iterations: the clip's signs one step short (plan.clip_steps), the polar
+    # factor all 6 (dual.polar), square Stiefel's exact step all 7 (dual.exact_square_stiefel)
     ms = kernels.matrix_sign
     seeds = range(24)
     for schedule, steps in ((ms.CLIP_SCHEDULE, 4), (ms.POLAR_SCHEDULE, 6), (ms.EXACT_SCHEDULE, 7)):
@@ -326,13 +327,13 @@ def test_fused_multiplier_and_symmetric_part_match_their_formulas(manifold, shap
         assert max_error(got, want) < 1e-5 * float(want.abs().max())
 
 
-@pytest.mark.parametrize("manifold, shape, solver", [("stiefel", (40, 40), "dual"),
-                                                     ("dgram", (72, 40), "admm")])
-def test_solver_on_triton_kernels_matches_torch(manifold, shape, solver):
+@pytest.mark.parametrize("manifold, shape", [("stiefel", (40, 40)),  # square Stiefel's exact step
+                                            ("dgram", (72, 40))])  # ADMM on the full matrices
+def test_solver_on_triton_kernels_matches_torch(manifold, shape):
     from manifolds import steepest_direction
     W = on_manifold(shape, manifold, torch.float32)
     G = randn(*shape, seed=1)
-    opts = dict(solver=solver, dual_steps=3, admm_steps=2, clip="polynomial")  # the same products
+    opts = dict(iterations=2, clip="polynomial")  # the same products
     fused = steepest_direction(W, G, manifold, backend="triton", **opts)
     assert max_error(fused, steepest_direction(W, G, manifold, backend="torch", **opts)) < 1e-4
 
