@@ -69,12 +69,13 @@ def test_wrapper_flags_are_exactly_the_flag_sets_the_api_launches(monkeypatch):
         assert _as_set(seen[name]) == _as_set(flag_sets), name
 
 
-@pytest.mark.parametrize("manifold, solver", [("stiefel", "dual"), ("dgram", "admm")])
-def test_solvers_launch_no_flag_set_beyond_wrapper_flags(monkeypatch, manifold, solver):
+@pytest.mark.parametrize("manifold, shape", [("stiefel", (40, 40)),  # square Stiefel's exact step
+                                            ("dgram", (40, 24)),  # ADMM on the full matrices
+                                            ("stiefel", (64, 24))])  # ADMM in span coordinates
+def test_solvers_launch_no_flag_set_beyond_wrapper_flags(monkeypatch, manifold, shape):
     seen = _record_launches(monkeypatch, products_triton._launch)  # real launches (interpreter)
-    W = MANIFOLDS[manifold].retract(torch.randn(40, 24).double(), near=False).float().to(DEVICE)
-    steepest_direction(W, torch.randn(40, 24, device=DEVICE), manifold, backend="triton", solver=solver,
-                       dual_steps=2, admm_steps=2)
+    W = MANIFOLDS[manifold].retract(torch.randn(shape).double(), near=False).float().to(DEVICE)
+    steepest_direction(W, torch.randn(shape, device=DEVICE), manifold, backend="triton", iterations=2)
     for name, flag_sets in products_triton.WRAPPER_FLAGS.items():
         assert _as_set(seen[name]) <= _as_set(flag_sets), name
     assert seen["symmetric_gram"] and seen["sym_product"]  # the solver really ran the kernels
