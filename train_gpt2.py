@@ -42,8 +42,9 @@ from training.qk_clip import QKClip
 from training.run_dir import RunLock, check_out_dir, check_shared_out_dir, clear_run, remove_leftovers
 from training.run_log import RunLog, write_json
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
-from manifolds import ManifoldMuon, manifold_violation, project_to_manifold
-from manifolds.assignment import MATRIX_KEYS, parse_assignment, qkv_blocks
+from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation
+from manifolds.assignment import parse_assignment
+from manifolds.param_groups import matrix_plan, muon_groups, project_matrices
 from manifolds.dual import SolverOptions
 from manifolds.step_graph import StepGraph, lr_in_device_tensors
 
@@ -682,21 +683,6 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-# Module keys of --assign -> parameter-name suffix of the matching Muon matrix in a block.
-MUON_PARAMS = {"attn.qkv": "attn.c_attn.weight", "attn.proj": "attn.c_proj.weight",
-               "mlp.fc": "mlp.c_fc.weight", "mlp.proj": "mlp.c_proj.weight"}
-
-
-def muon_matrices(model):
-    """{module key: [(name, parameter), ...]} over all blocks."""
-    found = {key: [] for key in MATRIX_KEYS}
-    for name, p in model.named_parameters():
-        for key, suffix in MUON_PARAMS.items():
-            if name.endswith(suffix):
-                found[key].append((name, p))
-    return found
-
-
 # ----------------------------------------------------------------------------------------
 # Optimizers: ManifoldMuon for the block matrices, AdamW for everything else
 
@@ -705,66 +691,25 @@ def layer_of(name):
     return int(name.split(".")[1])  # "blocks.<layer>.attn.c_attn.weight"
 
 
-def matrix_plan(model, assignments):
-    """[(name, parameter, key, [(label, row_lo, row_hi, manifold), ...])] for every Muon matrix.
-
-    `assignments[layer]` is that block's {key: manifold} (parse_assignment's form). A fused QKV
-    matrix whose assignment splits it gives three pieces, labelled name[q], name[k], name[v]."""
-    plan = []
-    for key, entries in muon_matrices(model).items():
-        for name, p in entries:
-            assignment = assignments[layer_of(name)]
-            blocks = qkv_blocks(assignment) if key == "attn.qkv" else None
-            if blocks is None:
-                pieces = [(name, 0, p.size(0), assignment[key])]
-            else:
-                rows = p.size(0) // 3
-                pieces = [(f"{name}[{block[-1]}]", i * rows, (i + 1) * rows, manifold)
-                          for i, (block, manifold) in enumerate(blocks)]
-            plan.append((name, p, key, pieces))
-    return plan
-
-
 def layer_assignments(args, auto):
     return [auto.layer_assignment(args.assignment, layer) if auto else dict(args.assignment)
             for layer in range(args.n_layer)]
 
 
-def muon_groups(plan):
-    """ManifoldMuon groups: one per module key and layout of manifolds (same-layout matrices of
-    all layers together), each named after its layout, e.g. "attn.qkv=q:stiefel|k:stiefel|v:dgram"."""
-    groups = {}
-    for _, p, key, pieces in plan:
-        if len(pieces) == 1:
-            layout, extra = f"{key}={pieces[0][3]}", {"manifold": pieces[0][3]}
-        else:
-            layout = f"{key}=" + "|".join(f"{label[-2]}:{m}" for label, _, _, m in pieces)
-            extra = {"blocks": [(lo, hi, m) for _, lo, hi, m in pieces]}
-        groups.setdefault(layout, {"params": [], "name": layout, **extra})["params"].append(p)
-    return list(groups.values())
-
-
-@torch.no_grad()
 def project_plan(plan, args, only=None):
     """Project Muon matrices (all, or those named in `only`) onto their manifolds (exact SVD polar)."""
-    for name, p, _, pieces in plan:
-        if only is not None and name not in only:
-            continue
-        for _, lo, hi, manifold in pieces:
-            if manifold != "none":
-                p[lo:hi] = project_to_manifold(p[lo:hi], manifold, args.dgram_cap)
+    project_matrices(plan, args.dgram_cap, only)
 
 
 def build_optimizers(model, args, device, auto=None):
-    plan = matrix_plan(model, layer_assignments(args, auto))
-    project_plan(plan, args)  # initialisation: project the GPT-2 init onto the manifolds
-    # --optimizer adamw: the Muon optimizer keeps one empty group (the loop stays the same)
-    groups = muon_groups(plan) if args.optimizer == "muon" else [{"params": [], "manifold": "none"}]
-    muon_ids = {id(p) for group in groups for p in group["params"]}
+    # the one path from an assignment to Muon's groups (manifolds.param_groups, as for any model);
+    # it projects the GPT-2 init onto the manifolds
+    groups, rest = manifold_param_groups(model, layer_assignments(args, auto), args.dgram_cap)
+    if args.optimizer != "muon":  # --optimizer adamw: Muon keeps one empty group (the loop stays the same)
+        groups, rest = [{"params": [], "manifold": "none"}], list(model.parameters())
     muon = ManifoldMuon(groups, lr=args.muon_lr, momentum=args.momentum, nesterov=True,
                         weight_decay=args.weight_decay, backend=args.kernels, dgram_cap=args.dgram_cap,
                         precision=args.solver_precision, **args.solver_options)
-    rest = [p for p in model.parameters() if id(p) not in muon_ids]
     adamw_groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
                     {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     adamw = torch.optim.AdamW(adamw_groups, lr=args.lr, betas=(0.9, 0.95),
@@ -1216,7 +1161,7 @@ def auto_switch(run, step, fields):
         for name, p, *_ in run.plan:
             if name in switched:
                 dist.broadcast(p.data, src=0)
-    run.muon.reassign(muon_groups(run.plan))
+    run.muon.reassign(muon_groups(run.plan, args.dgram_cap))
     if run.qk_clip is not None:
         run.qk_clip.replan(run.plan)
     for switch in new:
