@@ -1,4 +1,4 @@
-"""Checkpoint files: atomic, verified writes, rotation, and finding the newest one that loads.
+"""Checkpoint files: atomic, self-verifying writes, rotation, and finding the newest one that loads.
 
 A checkpoint is one torch.save file `ckpt_<step>.pt` in the run folder, `step` being the
 number of optimizer steps done (the next step to run), and beside it `ckpt_<step>.pt.sha256`,
@@ -8,10 +8,17 @@ the manifest (atomically), then the rename of the payload. A crash leaves the ol
 or the new one, never a half-written checkpoint under a real name, and never a checkpoint
 without its manifest; a manifest without its checkpoint is harmless and removed by rotation.
 
-Loading re-hashes the file and compares: bytes that changed after the write (bit rot, a bad
-copy, a disk that lies) make a checkpoint "corrupt" like a truncated one, and `load_newest`
-skips it. Checkpoints written before manifests existed load unverified. Only tensors and plain
-Python values are stored, so loading uses torch.load(weights_only=True).
+Two checks run on every load (`load_checkpoint`), before anything is unpickled:
+- the file itself: torch.save writes a zip archive whose every record (the pickle, each tensor's
+  bytes) carries a CRC-32 of its data in the zip's directory. torch.load does not check them;
+  `verify_records` reads every record and does, so a checkpoint copied alone to another machine
+  still proves its bytes. save_atomic always writes the CRCs (torch.serialization can be told not to).
+- the manifest, when it is beside the file: the SHA-256 of every byte, zip headers included.
+Bytes that changed after the write (bit rot, a bad copy, a disk that lies) make a checkpoint
+"corrupt" like a truncated one: `load_newest` skips it, and a checkpoint named by the user is an
+error. Only tensors and plain Python values are stored, so loading uses torch.load(weights_only=True).
+Cost at GPT-2 small's size (1.4 GB, warm page cache, 2-core VM): the CRC pass ~700 MB/s, the SHA-256
+~350 MB/s, torch.load itself ~450-1100 MB/s.
 
 Disk use of rotation: `keep` checkpoints plus the one being written, (keep + 1) x its size at
 the peak. A write that fails (full disk, quota, I/O error) removes its temporary file, leaves the
@@ -27,6 +34,7 @@ import hashlib
 import io
 import os
 import re
+import zipfile
 from dataclasses import fields
 
 import torch
@@ -83,6 +91,17 @@ def write_text_atomic(path, text):
     os.replace(tmp, path)
 
 
+def save_with_crc32(payload, file):
+    """torch.save with every zip record's CRC-32 computed, whatever torch.serialization's setting:
+    the CRCs are what lets a checkpoint be checked without its manifest."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    try:
+        torch.save(payload, file)
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
 def save_atomic(payload, path):
     """torch.save `payload` to `path` with its manifest; returns the SHA-256 (hex).
     On an OSError (ENOSPC, EDQUOT, EIO, ...) the temporary files go and WriteError is raised."""
@@ -90,7 +109,7 @@ def save_atomic(payload, path):
     try:
         with open(tmp, "wb") as f:
             writer = HashingWriter(f)
-            torch.save(payload, writer)
+            save_with_crc32(payload, writer)
             f.flush()
             os.fsync(f.fileno())
         digest = writer.sha256.hexdigest()
@@ -162,16 +181,33 @@ def verify(path):
     return True
 
 
+def verify_records(path):
+    """Raise ValueError unless every record of the zip archive `path` (torch.save's format) matches
+    the CRC-32 its zip directory holds for it. Needs nothing beside the file."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every record, compares its CRC-32; the first bad one's name
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        raise ValueError(f"{path}: unreadable checkpoint (not a complete torch.save zip archive: {err})") from None
+    if bad is not None:
+        raise ValueError(f"{path}: corrupt checkpoint (its record {bad} fails its CRC-32: "
+                         "its bytes changed after it was written)")
+
+
 def load_checkpoint(path):
-    """The payload of a checkpoint file, verified against its manifest; raises ValueError if it is
-    corrupt, unreadable or incomplete."""
+    """The payload of a checkpoint file: its records checked against their CRC-32s, the file against
+    its manifest when one is beside it, then unpickled; raises ValueError (naming `path`) if it is
+    corrupt, unreadable, incomplete or another program's file. Nothing is unpickled from a file that
+    fails a check."""
     verify(path)
+    verify_records(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated zip, bad pickle, wrong format: all mean "corrupt"
+    except Exception as err:  # bad pickle, a tensor type weights_only refuses: all mean "not ours"
         raise ValueError(f"{path}: unreadable checkpoint ({type(err).__name__}: {str(err)[:120]})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a checkpoint of this trainer")
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(f"{path}: not a checkpoint of this trainer (format {found!r}, expected {FORMAT!r})")
     return payload
 
 
@@ -196,11 +232,19 @@ RESUME_FIXED_ARGS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "as
 
 
 def find_resume_checkpoint(args, say):
-    """(path, payload) of --resume auto (the newest checkpoint in --out-dir that loads) or PATH."""
+    """(path, payload) of --resume PATH, or of --resume auto: the newest checkpoint in --out-dir that
+    loads (corrupt ones are reported and skipped), or (None, None) when --out-dir holds no
+    checkpoint at all, so that one command line both starts a run and resumes it. Checkpoints
+    of which none loads are an error, not a fresh start: that would train over them."""
     if args.resume == "auto":
+        found = list_checkpoints(args.out_dir) if os.path.isdir(args.out_dir) else []
+        if not found:
+            say(f"--resume auto: no checkpoint in --out-dir {args.out_dir}: starting afresh")
+            return None, None
         path, payload = load_newest(args.out_dir, say)
         if payload is None:
-            raise UserError(f"--resume auto: no readable checkpoint in --out-dir {args.out_dir}")
+            raise UserError(f"--resume auto: none of the {len(found)} checkpoint(s) in --out-dir {args.out_dir} "
+                            "loads (each is reported above); move them away to start afresh")
         return path, payload
     try:
         return args.resume, load_checkpoint(args.resume)
