@@ -939,7 +939,8 @@ def setup(args, env, cleanup):
     if payload is not None:
         resume(run, payload, resume_path)
     run.step_model = forward_model(model, args, env, device)
-    describe(run, dtype, resumed=payload is not None)
+    # under --resume, also when auto found no checkpoint: rows of an attempt that wrote none go
+    describe(run, dtype, resumed=args.resume is not None)
     run.muon_step = muon.step
     if run.graphed:
         lr_in_device_tensors(muon, device)

@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 import train_gpt2
 from errors import EXIT_WRITE_FAILED, UserError, WriteError, run_cli
 from synthetic import make_shards
-from test_reliability import (ENV, RUN, command, has_checkpoint, has_rows, killed_after_two_checkpoints, run,
-                              start_then, train_losses)
+from test_reliability import (ENV, RUN, assert_resumed, command, has_checkpoint, has_rows,
+                              killed_after_two_checkpoints, run, start_then, train_losses)
 from training import checkpoints
 from training.run_dir import check_shared_out_dir
 from training.run_log import RunLog
@@ -147,8 +147,10 @@ def test_leftovers_of_a_killed_writer_are_removed_and_a_stale_lock_does_not_bloc
     proc.wait()
     (tmp_path / "ckpt_00000012.pt.tmp").write_bytes(b"half a checkpoint")
     (tmp_path / "summary.json.tmp").write_text("{")
-    result = run(data_dir, tmp_path, "--resume", "auto")
+    newest = int(sorted(tmp_path.glob("ckpt_*.pt"))[-1].name[5:13])
+    result = run(data_dir, tmp_path, "--resume", "auto", "--log-every", "1")
     assert result.returncode == 0, result.stderr
+    assert_resumed(result, newest)
     assert "removed 2 temporary file(s)" in result.stdout and "ckpt_00000012.pt.tmp" in result.stdout
     assert not list(tmp_path.glob("*.tmp"))
     assert train_losses(tmp_path) == train_losses(straight)

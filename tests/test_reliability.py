@@ -43,6 +43,21 @@ def train_losses(out_dir):
     return [(r["step"], r["train_loss"]) for r in rows(out_dir) if "train_loss" in r]
 
 
+def resumed_steps(result):
+    """(the step a process resumed from, the steps it trained), read from its own output: its
+    `resuming from ... at step N` line and a progress line per step (it must be run with
+    --log-every 1). A restart from step 0 that only says it resumed trains steps 1..N again."""
+    lines = result.stdout.splitlines()
+    resumed = [int(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("resuming from ")]
+    trained = [int(line.split()[1].split("/")[0]) for line in lines if line.startswith("step ") and "/" in line.split()[1]]
+    return (resumed[0] if len(resumed) == 1 else None), trained
+
+
+def assert_resumed(result, checkpoint_step, last=30):
+    """The process resumed at `checkpoint_step` (its checkpoint's) and trained only the steps after it."""
+    assert resumed_steps(result) == (checkpoint_step, list(range(checkpoint_step + 1, last + 1))), result.stdout
+
+
 def start_then(data_dir, out_dir, until, nproc=1, *extra):
     """Start a run in the background and return it once `until(out_dir)` holds."""
     proc = subprocess.Popen(command(nproc, "--data-dir", data_dir, "--out-dir", str(out_dir), *RUN, *extra),
@@ -83,11 +98,56 @@ def test_sigterm_then_resume_is_bitwise_identical(data_dir, straight, tmp_path):
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["status"] == "interrupted" and summary["steps"] < 30
     assert os.path.exists(tmp_path / f"ckpt_{summary['steps']:08d}.pt")
-    result = run(data_dir, tmp_path, "--resume", "auto")
+    result = run(data_dir, tmp_path, "--resume", "auto", "--log-every", "1")
     assert result.returncode == 0, result.stderr
+    assert_resumed(result, summary["steps"])
     assert train_losses(tmp_path) == train_losses(straight)  # each step once, same bits
     assert json.load(open(tmp_path / "summary.json"))["final_val_loss"] == \
         json.load(open(straight / "summary.json"))["final_val_loss"]
+
+
+def test_resume_auto_without_a_checkpoint_starts_afresh_so_one_command_starts_and_resumes(data_dir, straight,
+                                                                                         tmp_path):
+    """The same command line for the first start and every restart: --resume auto in an empty folder
+    (or none) starts the run and says so; in a folder whose run was killed before its first
+    checkpoint it starts again from step 1, each step logged once."""
+    result = run(data_dir, tmp_path / "new", "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert f"--resume auto: no checkpoint in --out-dir {tmp_path / 'new'}: starting afresh" in result.stdout
+    assert json.load(open(tmp_path / "new" / "summary.json"))["status"] == "completed"
+    assert train_losses(tmp_path / "new") == train_losses(straight)
+    proc = start_then(data_dir, tmp_path / "killed", has_rows(3), 1, "--resume", "auto", "--ckpt-every", "0")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not list((tmp_path / "killed").glob("ckpt_*"))
+    result = run(data_dir, tmp_path / "killed", "--resume", "auto", "--ckpt-every", "0", "--log-every", "1")
+    assert result.returncode == 0, result.stderr
+    assert "starting afresh" in result.stdout and resumed_steps(result) == (None, list(range(1, 31)))
+    assert train_losses(tmp_path / "killed") == train_losses(straight)
+
+
+def test_keep_ckpts_keeps_the_newest_and_their_manifests(data_dir, tmp_path):
+    result = run(data_dir, tmp_path, "--keep-ckpts", "3")  # checkpoints at 4, 8, ..., 28 and the final 30
+    assert result.returncode == 0, result.stderr
+    names = sorted(p.name for p in tmp_path.glob("ckpt_*"))
+    assert names == [f"ckpt_{s:08d}.pt{m}" for s in (24, 28, 30) for m in ("", ".sha256")]
+
+
+@pytest.mark.parametrize("flags, changed", [
+    (["--n-layer", "2"], "--n-layer (1 there, 2 now)"),
+    (["--assign", "all-stiefel"], "--assign (hetero there, all-stiefel now)"),
+    (["--total-batch-size", "16"], "--total-batch-size (8 there, 16 now)"),
+])
+def test_resuming_with_another_model_assignment_or_total_batch_is_refused(data_dir, straight, tmp_path, flags,
+                                                                         changed):
+    before = {p: os.path.getmtime(straight / p) for p in os.listdir(straight)}
+    result = run(data_dir, tmp_path, "--resume", str(straight / "ckpt_00000030.pt"), *flags)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot resume: the checkpoint was written with a "
+                                                   "different ") and changed in lines[0], result.stderr
+    assert not (tmp_path / "config.json").exists() and not (tmp_path / "metrics.jsonl").exists()
+    assert {p: os.path.getmtime(straight / p) for p in os.listdir(straight)} == before
 
 
 def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(data_dir, straight, tmp_path):
@@ -95,8 +155,10 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(data_dir, str
     time.sleep(0.3)  # let it run past the checkpoint: those steps are lost and redone
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    result = run(data_dir, tmp_path, "--resume", "auto")
+    newest = int(sorted(tmp_path.glob("ckpt_*.pt"))[-1].name[5:13])
+    result = run(data_dir, tmp_path, "--resume", "auto", "--log-every", "1")
     assert result.returncode == 0, result.stderr
+    assert_resumed(result, newest)
     losses = train_losses(tmp_path)
     assert [s for s, _ in losses] == list(range(1, 31))
     assert losses == train_losses(straight)
@@ -111,8 +173,10 @@ def test_a_graph_replayed_run_killed_and_resumed_trains_as_the_eager_one(data_di
     proc = start_then(data_dir, tmp_path / "graph", has_checkpoint(8), 1, *graph)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    result = run(data_dir, tmp_path / "graph", "--resume", "auto", *graph)
+    newest = int(sorted((tmp_path / "graph").glob("ckpt_*.pt"))[-1].name[5:13])
+    result = run(data_dir, tmp_path / "graph", "--resume", "auto", "--log-every", "1", *graph)
     assert result.returncode == 0, result.stderr
+    assert_resumed(result, newest)
     assert train_losses(tmp_path / "graph") == train_losses(tmp_path / "eager")
 
 
@@ -129,10 +193,11 @@ def killed_after_two_checkpoints(data_dir, out_dir):
 def test_truncated_newest_checkpoint_is_skipped(data_dir, straight, tmp_path):
     newest, before = killed_after_two_checkpoints(data_dir, tmp_path)
     os.truncate(newest, os.path.getsize(newest) // 2)
-    result = run(data_dir, tmp_path, "--resume", "auto")
+    result = run(data_dir, tmp_path, "--resume", "auto", "--log-every", "1")
     assert result.returncode == 0, result.stderr
     assert "skipping" in result.stdout and newest.name in result.stdout
     assert "resuming from" in result.stdout and before.name in result.stdout
+    assert_resumed(result, int(before.name[5:13]))
     assert train_losses(tmp_path) == train_losses(straight)
 
 
@@ -183,7 +248,6 @@ def test_divergence_is_recorded_with_its_own_exit_status(data_dir, tmp_path):
     (["--muon-lr", "-0.1"], "--muon-lr must be positive"),
     (["--n-embd", "30", "--n-head", "4"], "not divisible"),
     (["--seq-len", "30000"], "fewer than one batch"),
-    (["--resume", "auto"], "no checkpoint"),
     (["--resume", "/nonexistent/ckpt.pt"], "no such checkpoint"),
     (["--out-dir", "/proc/forbidden"], "--out-dir /proc/forbidden"),  # root may write anywhere else
     (["--out-dir", ROOT + "/README.md/run"], "is not a directory"),

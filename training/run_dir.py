@@ -10,7 +10,9 @@
 - check_shared_out_dir: checkpoints are written by global rank 0 alone, so on several nodes
   --out-dir must be one shared folder. Rank 0 writes a token there and every rank reads it back.
 - check_out_dir, before anything starts: a folder that holds another run is continued
-  (--resume) or cleared (--overwrite, `clear_run`), never mixed with a new one.
+  (--resume) or cleared (--overwrite, `clear_run`), never mixed with a new one. --resume auto in
+  a folder without a checkpoint starts afresh there (the first start of a job that a launcher
+  or scheduler restarts with the same command line).
 """
 import fcntl
 import glob
@@ -102,8 +104,6 @@ def check_out_dir(args):
                         "or --overwrite to start afresh there")
     if args.resume is not None and args.overwrite:
         raise UserError("--resume and --overwrite contradict each other")
-    if args.resume == "auto" and not glob.glob(os.path.join(args.out_dir, "ckpt_*.pt")):
-        raise UserError(f"--resume auto: no checkpoint in --out-dir {args.out_dir} (drop --resume to start afresh)")
     if args.resume not in (None, "auto") and not os.path.isfile(args.resume):
         raise UserError(f"--resume {args.resume}: no such checkpoint file")
     existing = args.out_dir
