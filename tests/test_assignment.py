@@ -14,7 +14,9 @@ def test_presets_match_the_paper_table():
     assert inv == {"attn.qkv": "dgram", "attn.proj": "dgram", "mlp.fc": "stiefel", "mlp.proj": "stiefel"}
     assert set(parse_assignment("all-stiefel").values()) == {"stiefel"}
     assert set(parse_assignment("all-dgram").values()) == {"dgram"}
-    assert set(PRESETS) == {"unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv", "hetero-qk"}
+    assert set(parse_assignment("all-oblique").values()) == {"oblique"}
+    assert set(PRESETS) == {"unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv", "hetero-qk",
+                            "all-oblique"}
 
 
 def test_custom_spec_later_entries_override_and_unnamed_stay_none():
