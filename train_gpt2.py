@@ -82,10 +82,10 @@ def build_parser():
 def add_run_flags(a):
     a.add_argument("--assign", default="hetero",
                    help="manifold per module: a preset (unconstrained, all-stiefel, all-dgram, hetero, "
-                        "hetero-inv, hetero-qk), `auto` (see --auto-*), or key=manifold[,...] with keys "
+                        "hetero-inv, hetero-qk, all-oblique), `auto` (see --auto-*), or key=manifold[,...] with keys "
                         "attn, mlp, attn.qkv, attn.proj, mlp.fc, mlp.proj and the QKV row blocks attn.q, "
                         "attn.k, attn.v, attn.qk (naming one splits the fused QKV into three matrices), and "
-                        "manifolds stiefel, dgram, dgram-cap, none")
+                        "manifolds stiefel, dgram, oblique, dgram-cap, none")
     a.add_argument("--data-dir", default="data/openwebtext",
                    help="folder with *train*.bin and *val*.bin token shards (data/prepare.py writes them)")
     a.add_argument("--out-dir", default="runs/default",
