@@ -1,4 +1,4 @@
-"""What one ManifoldMuon step of a GPT-2 would cost on a GPU, counted on a CPU (issue 15).
+"""What one ManifoldMuon step of a GPT-2 would cost on a GPU, counted on a CPU.
 
     python -m bench.cost_model --fake                           # GPT-2 small, hetero, world sizes 1 and 8
     python -m bench.cost_model --fake --solver-opt iterations=4 --solver-opt pullbacks=1   # other budgets

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18 (c): can DGram attention be stabilized? all-dgram at Muon lr 0.2 (where its attention
+# Can DGram attention be stabilized? all-dgram at Muon lr 0.2 (where its attention
 # saturates, docs/experiments.md) with each of the literature's stabilizers, against capped-DGram
 # attention and hetero, on the bundled books (../shared/corpus), run.sh quick's model, on CPU.
 #   bash bench/stabilizers.sh           (SEEDS, MUON_LR, JOBS, CORPUS, OUT, CONFIGS override the defaults)

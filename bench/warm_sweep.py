@@ -1,4 +1,4 @@
-"""How the ADMM warm start's penalty and iteration budget were chosen (bench/RESULTS.md).
+"""How the ADMM warm start's penalty and iteration budget are measured (the figures: docs/solver-tuning.md).
 
     OMP_NUM_THREADS=1 python -m bench.warm_sweep
     OMP_NUM_THREADS=1 python -m bench.warm_sweep --penalties 0.1 --iterations 4 --clip polynomial \
