@@ -16,6 +16,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -362,6 +363,15 @@ def grad_accum_steps(args, world_size):
 # Distributed setup: torchrun's environment; NCCL on CUDA, gloo on CPU
 
 
+# The longest a rank waits in one collective before its process group is torn down (NCCL's
+# watchdog aborts the communicator; gloo raises): the bound on how long a rank that another one
+# left behind holds its GPU. Known failures stop every rank sooner, at the next status exchange
+# (exchange_status); this bounds the unknown ones (a hung rank, a lost node). It must exceed the
+# longest legitimate skew between ranks: rank 0 writing a checkpoint while the others wait (seconds
+# for GPT-2 small), the diagnostics only rank 0 computes at an eval, a slow rank's first compile.
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=5)
+
+
 @dataclass
 class DistEnv:
     rank: int = 0
@@ -396,9 +406,26 @@ def init_distributed(args):
     from torch.distributed.nn import functional  # noqa: F401
     # device_id binds this rank's NCCL communicator to its GPU now (eagerly), not at the first
     # collective, and lets NCCL skip guessing the device from the current one
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=20),
-                            device_id=torch.device("cuda", local_rank) if use_cuda else None)
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT,
+                            device_id=torch.device("cuda", local_rank) if use_cuda else None,
+                            **attempt_store(rank, world_size))
     return DistEnv(rank, local_rank, world_size)
+
+
+def attempt_store(rank, world_size):
+    """{store, rank, world_size} for init_process_group when torchrun shares its own store with the
+    workers (TORCHELASTIC_USE_AGENT_STORE=True, torchrun's default), else {} (env://). That store
+    outlives a restart of the worker group (--max-restarts), and the keys a dead attempt's process
+    group left there (each rank's address) would be read by the next attempt's, which then
+    connects to dead ranks. A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps attempts apart.
+    The count is each node's own: on several nodes, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for
+    torchrun instead (README)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                           timeout=PROCESS_GROUP_TIMEOUT)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"attempt_{attempt}", shared), "rank": rank, "world_size": world_size}
 
 
 def all_reduce_sum(values, env, device):
@@ -845,18 +872,19 @@ def main(argv=None):
 
 def train(args, env, cleanup):
     """The run; `cleanup` (contextlib.ExitStack) takes what must be undone when it ends (the lock).
-    A failed write of rank 0 (WriteError) ends the loop; the summary is still written, then the
-    error is raised again (exit status 5)."""
+    A failed write of rank 0 (WriteError) ends the loop on every rank at the same step; the summary
+    is still written, then the error is raised again on every rank (exit status 5)."""
     run = setup(args, env, cleanup)
     stop = StopRequest().install()
     prefetch = Prefetcher(run.batches, run.start_step, run.device)
     start, write_failure = time.time(), None
     try:
         status = run_steps(run, prefetch, stop)
-    except WriteError as err:
+    except WriteError as err:  # every rank raises the same one (exchange_status)
         status, write_failure = "write_failed", err
-    stop.uninstall()
-    prefetch.close()
+    finally:
+        stop.uninstall()
+        prefetch.close()
     return finish(run, status, write_failure, wall_s=time.time() - start)
 
 
@@ -887,6 +915,7 @@ class Run:
     val_loss: float = None
     train_loss: float = None
     diverged: dict = None          # the first divergence: its step and diagnostics
+    failure: Exception = None      # this rank's error (WriteError, UserError) not yet told to the others
 
     @property
     def graphed(self):
@@ -939,8 +968,11 @@ def setup(args, env, cleanup):
     if payload is not None:
         resume(run, payload, resume_path)
     run.step_model = forward_model(model, args, env, device)
-    # under --resume, also when auto found no checkpoint: rows of an attempt that wrote none go
-    describe(run, dtype, resumed=args.resume is not None)
+    try:  # under --resume, also when auto found no checkpoint: rows of an attempt that wrote none go
+        describe(run, dtype, resumed=args.resume is not None)
+    except (WriteError, UserError) as err:  # rank 0's config.json, metrics.jsonl or wandb
+        keep_failure(run, err)
+    exchange_status(run)
     run.muon_step = muon.step
     if run.graphed:
         lr_in_device_tensors(muon, device)
@@ -1037,15 +1069,18 @@ def run_steps(run, prefetch, stop):
     """Steps from run.start_step to --max-steps: each trains, logs, evaluates every --eval-every
     steps, checks for divergence and checkpoints every --ckpt-every steps. A divergence under
     --on-diverge stop or a stop request (a signal on any rank) ends the loop early. Returns the
-    run's status: completed, diverged or interrupted."""
+    run's status: completed, diverged or interrupted. A rank's failure is raised on every rank
+    at the next status exchange: after the step's loss reduction, an eval or a checkpoint."""
     args, saved_step = run.args, run.start_step
     for step in range(run.start_step, args.max_steps):
         run.steps_done = step + 1
         record = train_step(run, step, prefetch, stop)
+        injected_fault(run, step)
         log_step(run, step, record)
         evaluated = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
         if evaluated and math.isfinite(run.train_loss):
             evaluate_and_log(run, step)
+            exchange_status(run)
         if run.diverged is None and check_divergence(run, step, record, evaluated) and args.on_diverge == "stop":
             return "diverged"
         if evaluated and run.val_loss is not None and math.isfinite(run.val_loss):
@@ -1070,7 +1105,7 @@ def train_step(run, step, prefetch, stop):
     lr = set_lr(run, step)
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(args.grad_accum):
-        x, y = prefetch.next(step, micro)
+        x, y = next_batch(run, prefetch, step, micro)
         last = micro == args.grad_accum - 1
         # gradients are all-reduced once, on the last micro-step
         with contextlib.nullcontext() if last or run.env.world_size == 1 else run.step_model.no_sync():
@@ -1089,10 +1124,28 @@ def train_step(run, step, prefetch, stop):
     run.muon.zero_grad(set_to_none=not run.graphed)  # a graph reads the gradients it was captured with
     synchronize(run.device)
     t1 = time.perf_counter()
-    # one reduction carries the loss and whether any rank was asked to stop
-    loss_total, stops = all_reduce_sum([loss_sum.item(), float(stop.requested)], run.env, run.device)
+    # one reduction carries the loss, whether any rank was asked to stop and whether any failed
+    loss_total, stops, failed = all_reduce_sum([loss_sum.item(), float(stop.requested), float(run.failure is not None)],
+                                               run.env, run.device)
+    if failed:
+        exchange_status(run)
     run.train_loss = loss_total / run.env.world_size
     return StepRecord(lr=lr, grad_norm=grad_norm, stop=stops > 0, seconds=t1 - t0, opt_seconds=t1 - t_opt)
+
+
+def next_batch(run, prefetch, step, micro):
+    """(inputs, targets) of the micro-step. A shard this rank cannot read (changed, truncated, a
+    token out of range) is kept as its failure and a batch of zeros stands in, so that the step's
+    collectives (DDP's gradient reduction) still meet the other ranks; the step's reduction then
+    stops every rank with it."""
+    try:
+        return prefetch.next(step, micro)
+    except UserError as err:
+        if run.env.world_size == 1:
+            raise
+        keep_failure(run, err)
+        zeros = torch.zeros(run.args.batch_size, run.args.seq_len, dtype=torch.long, device=run.device)
+        return zeros, zeros
 
 
 def set_lr(run, step):
@@ -1115,11 +1168,11 @@ def log_step(run, step, record):
         solver = run.muon.stats()  # this rank's share of every bank; reading it syncs the device
         # matrices that took the sync-free precision fallback (rare; only logged when it happens)
         fallbacks = {bank: s["fallbacks"] for bank, s in solver.items() if s["fallbacks"]}
-        run.log.row(step=step + 1, train_loss=run.train_loss, lr=record.lr, grad_norm=float(record.grad_norm),
+        log_row(run, step=step + 1, train_loss=run.train_loss, lr=record.lr, grad_norm=float(record.grad_norm),
                     tokens_per_s=tokens_per_s, step_ms=step_ms, opt_ms=opt_ms,
-                    solver_iterations={bank: s["iterations"] for bank, s in solver.items()},
-                    solver_residual={bank: s["residual"] for bank, s in solver.items()},
-                    **({"solver_fallbacks": fallbacks} if fallbacks else {}))
+                solver_iterations={bank: s["iterations"] for bank, s in solver.items()},
+                solver_residual={bank: s["residual"] for bank, s in solver.items()},
+                **({"solver_fallbacks": fallbacks} if fallbacks else {}))
     if (step + 1) % run.args.log_every == 0 or step == run.start_step:
         run.say(f"step {step + 1:6d}/{run.args.max_steps} | loss {run.train_loss:.4f} | lr {record.lr:.2e} | "
                 f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_s:,.0f} tok/s", flush=True)
@@ -1134,8 +1187,8 @@ def evaluate_and_log(run, step):
     if run.qk_clip is not None:
         fields.update(run.qk_clip.stats())
     if run.log:
-        run.log.row(step=step + 1, val_loss=run.val_loss, eval_tokens=eval_tokens,
-                    replica_max_abs_diff=replica_diff, **fields)
+        log_row(run, step=step + 1, val_loss=run.val_loss, eval_tokens=eval_tokens,
+                replica_max_abs_diff=replica_diff, **fields)
     run.say(f"step {step + 1:6d} | val loss {run.val_loss:.4f} ({eval_tokens:,} tokens)"
             + (f" | replicas differ by {replica_diff:.1e}" if run.env.world_size > 1 else ""), flush=True)
     if run.auto is not None:
@@ -1169,7 +1222,7 @@ def auto_switch(run, step, fields):
         run.say(f"step {step + 1:6d} | auto: layer {switch['layer']} attention -> stiefel ({switch['reason']})",
                 flush=True)
         if run.log:
-            run.log.row(**switch, event="auto_switch")
+            log_row(run, **switch, event="auto_switch")
 
 
 def check_divergence(run, step, record, evaluated):
@@ -1195,21 +1248,24 @@ def check_divergence(run, step, record, evaluated):
 def save(run, steps_done, prefix="ckpt"):
     """Checkpoint the run after `steps_done` steps: ckpt_<steps>.pt in the rotation of
     --keep-ckpts, or <prefix>_<steps>.pt. A collective (Muon's state is gathered from every
-    rank); rank 0 writes."""
+    rank); rank 0 writes, and a failed write stops every rank here (exchange_status)."""
     muon_state = run.muon.consolidated_state_dict()
-    if not run.env.is_main:
-        return
-    losses = {"best_val_loss": run.best_val, "val_loss": run.val_loss, "train_loss": run.train_loss}
-    state = checkpoint_payload(steps_done, run.model, run.adamw, muon_state, losses, run.args)
-    state["train_shards"] = run.train_stream.fingerprint()
-    if run.auto is not None:
-        state["auto"] = run.auto.state_dict()
-    if run.qk_clip is not None:
-        state["qk_clip"] = run.qk_clip.state_dict()
-    if prefix == "ckpt":
-        save_checkpoint(state, run.args.out_dir, steps_done, run.args.keep_ckpts)
-    else:
-        save_atomic(state, checkpoint_path(run.args.out_dir, steps_done, prefix))
+    if run.env.is_main:
+        losses = {"best_val_loss": run.best_val, "val_loss": run.val_loss, "train_loss": run.train_loss}
+        state = checkpoint_payload(steps_done, run.model, run.adamw, muon_state, losses, run.args)
+        state["train_shards"] = run.train_stream.fingerprint()
+        if run.auto is not None:
+            state["auto"] = run.auto.state_dict()
+        if run.qk_clip is not None:
+            state["qk_clip"] = run.qk_clip.state_dict()
+        try:
+            if prefix == "ckpt":
+                save_checkpoint(state, run.args.out_dir, steps_done, run.args.keep_ckpts)
+            else:
+                save_atomic(state, checkpoint_path(run.args.out_dir, steps_done, prefix))
+        except WriteError as err:
+            keep_failure(run, err)
+    exchange_status(run)
 
 
 def finish(run, status, write_failure, wall_s):
@@ -1231,13 +1287,68 @@ def finish(run, status, write_failure, wall_s):
         try:
             write_json(os.path.join(run.args.out_dir, "summary.json"), summary)
             run.log.close()
-        except WriteError:
-            if write_failure is None:
-                raise
-        run.say(f"done: {json.dumps(summary)}")
+            run.say(f"done: {json.dumps(summary)}")
+        except WriteError as err:
+            keep_failure(run, err)
     if write_failure is not None:
-        raise write_failure
+        raise write_failure  # every rank holds it already: no collective
+    exchange_status(run)  # rank 0's summary.json
     return summary
+
+
+# --- one rank's failure stops every rank ------------------------------------------------------
+
+
+FAILURE_TYPES = {"WriteError": WriteError, "UserError": UserError}
+
+
+def keep_failure(run, err):
+    """Hold this rank's first failure until the next status exchange (the other ranks go on to it)."""
+    if run.failure is None:
+        run.failure = err
+
+
+def exchange_status(run):
+    """A collective at the same point on every rank: after the setup, each eval, each checkpoint
+    and the summary, and after a step whose reduction said that some rank failed. If any rank
+    holds a failure, every rank raises the lowest failing rank's error, its type and message
+    (rank 0's when rank 0 failed), so that all stop at the same step with the same `error:` line
+    and exit status instead of waiting in their next collective for the process group's timeout."""
+    env = run.env
+    if env.world_size == 1:
+        if run.failure is not None:
+            raise run.failure
+        return
+    first = torch.tensor([env.rank if run.failure is not None else env.world_size], device=run.device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    source = int(first.item())
+    if source == env.world_size:
+        return
+    box = [(type(run.failure).__name__, str(run.failure)) if env.rank == source else None]
+    dist.broadcast_object_list(box, src=source)
+    kind, message = box[0]
+    raise FAILURE_TYPES.get(kind, UserError)(message + (f" (on rank {source})" if source else ""))
+
+
+def log_row(run, **fields):
+    """A metrics row (rank 0). A failed write is kept for the next status exchange; no row follows it."""
+    if run.log is None or run.failure is not None:
+        return
+    try:
+        run.log.row(**fields)
+    except WriteError as err:
+        keep_failure(run, err)
+
+
+def injected_fault(run, step):
+    """Fault injection for tests only, off unless the environment asks (tests/test_elastic.py):
+    rank MMUON_FAULT_RANK kills itself with SIGKILL, as the OOM killer or a lost node would, right
+    after step MMUON_FAULT_STEP (counted from 1), in the first attempt of a torchrun job only
+    (TORCHELASTIC_RESTART_COUNT unset or 0), so that the restarted job runs through."""
+    at = os.environ.get("MMUON_FAULT_STEP")
+    if (at is not None and step + 1 == int(at) and run.env.rank == int(os.environ.get("MMUON_FAULT_RANK", "0"))
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def check_wandb_login(args):

@@ -1,0 +1,113 @@
+"""Two gloo ranks on one machine, as a cluster would fail them: a rank killed mid-run under
+torchrun --max-restarts (the job restarts itself with the same command line and ends as if
+uninterrupted), and a write error on rank 0 (every rank stops at once with rank 0's message).
+
+The kill is injected by the trainer's test-only hook, read from the environment and absent from
+--help: MMUON_FAULT_STEP=N and MMUON_FAULT_RANK=r make rank r SIGKILL itself right after step N,
+in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT 0). The write error is real: the
+checkpoint's temporary file is a link to /dev/full, whose writes fail with ENOSPC.
+"""
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from synthetic import make_shards
+from test_reliability import ENV, RUN, TRAIN, has_checkpoint, resumed_steps, rows, train_losses
+
+TWO_RANKS = ["--batch-size", "4"]  # 2 ranks x 4 sequences = the total batch of 8, no accumulation
+SEED = 39  # chooses the step and the rank that die
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_shards(str(tmp_path_factory.mktemp("data")))
+
+
+def torchrun(data_dir, out_dir, *extra, restarts=0, env=ENV):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           f"--max-restarts={restarts}", TRAIN, "--data-dir", data_dir, "--out-dir", str(out_dir),
+                           *RUN, *TWO_RANKS, *extra], capture_output=True, text=True, timeout=300, env=env)
+
+
+def final_weights(out_dir):
+    return torch.load(os.path.join(out_dir, "ckpt_00000030.pt"), weights_only=True)["model"]
+
+
+def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_ends_as_if_uninterrupted(data_dir, tmp_path):
+    choose = random.Random(SEED)
+    fault_step, fault_rank = choose.randint(5, 27), choose.randrange(2)
+    straight = torchrun(data_dir, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    # the command line a launcher repeats: --resume auto from the first start on
+    faulted = torchrun(data_dir, tmp_path / "faulted", "--resume", "auto", "--log-every", "1", restarts=1,
+                       env={**ENV, "MMUON_FAULT_STEP": str(fault_step), "MMUON_FAULT_RANK": str(fault_rank)})
+    assert faulted.returncode == 0, faulted.stdout[-3000:] + faulted.stderr[-3000:]
+    # the second attempt resumed from the last checkpoint before the kill (every 4 steps) and
+    # trained only the steps after it; the first attempt's rows past that checkpoint were dropped
+    checkpoint = 4 * ((fault_step - 1) // 4)
+    first, second = faulted.stdout.split("resuming from ")
+    assert "starting afresh" in first and f"step {fault_step - 1:6d}/30" in first, faulted.stdout
+    assert resumed_steps(subprocess.CompletedProcess([], 0, "resuming from " + second)) == \
+        (checkpoint, list(range(checkpoint + 1, 31))), faulted.stdout
+    assert f"resuming from {tmp_path / 'faulted' / f'ckpt_{checkpoint:08d}.pt'} at step {checkpoint}" in faulted.stdout
+    assert train_losses(tmp_path / "faulted") == train_losses(tmp_path / "straight")  # each step once, same bits
+    val = [(r["step"], r["val_loss"]) for r in rows(tmp_path / "faulted") if "val_loss" in r]
+    assert val == [(r["step"], r["val_loss"]) for r in rows(tmp_path / "straight") if "val_loss" in r]
+    ours, theirs = final_weights(tmp_path / "faulted"), final_weights(tmp_path / "straight")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert json.load(open(tmp_path / "faulted" / "summary.json"))["status"] == "completed"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_write_error_on_rank_0_stops_every_rank_with_its_message(data_dir, tmp_path):
+    """Both ranks started by hand (torchrun's environment) so that each one's status, stderr and
+    exit time are its own. Once the run has written its first checkpoint, every later checkpoint's
+    temporary file is made a link to /dev/full: rank 0's next checkpoint fails with ENOSPC."""
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, TRAIN, "--data-dir", data_dir, "--out-dir", str(tmp_path), *RUN,
+                               *TWO_RANKS, "--max-steps", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(2)]
+    try:
+        deadline = time.time() + 120
+        while not has_checkpoint(4)(tmp_path):
+            assert all(p.poll() is None for p in ranks) and time.time() < deadline
+            time.sleep(0.05)
+        for step in range(8, 401, 4):
+            try:
+                os.symlink("/dev/full", tmp_path / f"ckpt_{step:08d}.pt.tmp")
+            except FileExistsError:  # being written now: the next one fails
+                pass
+        exits = [None, None]
+        while None in exits:
+            for r, p in enumerate(ranks):
+                if exits[r] is None and p.poll() is not None:
+                    exits[r] = time.time()
+            assert time.time() < deadline + 60, "a rank did not stop"
+            time.sleep(0.02)
+        outputs = [p.communicate() for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    errors = [err.strip().splitlines()[-1] for _, err in outputs]
+    assert [p.returncode for p in ranks] == [5, 5], [err[-2000:] for _, err in outputs]
+    assert errors[0].startswith("error: cannot write ") and "the disk is full" in errors[0], errors
+    assert errors[1] == errors[0]  # rank 1 reports rank 0's error, not a broken connection
+    assert abs(exits[1] - exits[0]) < 10  # at the same step, not after a timeout
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["status"] == "write_failed" and f"ckpt_{summary['steps']:08d}.pt" in errors[0]
+    assert not list(tmp_path.glob("*.tmp")) or all(os.path.islink(p) for p in tmp_path.glob("*.tmp"))
