@@ -11,6 +11,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import gc
 import glob
 import itertools
 import json
@@ -857,12 +858,22 @@ def main(argv=None):
     check_out_dir(args)
     check_wandb_login(args)
     env = init_distributed(args)
+    failure = None
     try:
         with contextlib.ExitStack() as cleanup:
             summary = train(args, env, cleanup)
+    except (UserError, WriteError) as err:
+        # Its traceback holds the run's frames, and through them DDP and the process group's
+        # pending work: freed now, before the group is destroyed, not at interpreter shutdown,
+        # where freeing them hung the exit of a rank that stopped on an exchanged failure
+        failure = err.with_traceback(None)
+        del err
+        gc.collect()
     finally:
         if env.world_size > 1:
             dist.destroy_process_group()
+    if failure is not None:
+        raise failure
     if summary["status"] == "diverged" and args.on_diverge == "stop":
         sys.exit(EXIT_DIVERGED)
     if summary["status"] == "interrupted":

@@ -71,43 +71,89 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_a_write_error_on_rank_0_stops_every_rank_with_its_message(data_dir, tmp_path):
-    """Both ranks started by hand (torchrun's environment) so that each one's status, stderr and
-    exit time are its own. Once the run has written its first checkpoint, every later checkpoint's
-    temporary file is made a link to /dev/full: rank 0's next checkpoint fails with ENOSPC."""
+def start_two_ranks(data_dir, out_dir, *extra):
+    """Both ranks started by hand (torchrun's environment), so that each one's status, stderr and
+    exit time are its own."""
     port = free_port()
-    ranks = [subprocess.Popen([sys.executable, TRAIN, "--data-dir", data_dir, "--out-dir", str(tmp_path), *RUN,
-                               *TWO_RANKS, "--max-steps", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-             for r in range(2)]
+    return [subprocess.Popen([sys.executable, TRAIN, "--data-dir", data_dir, "--out-dir", str(out_dir), *RUN,
+                              *TWO_RANKS, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            for r in range(2)]
+
+
+def after_first_checkpoint(ranks, out_dir, fault):
+    """Once the run has written ckpt 4, call `fault`; returns each rank's (status, last stderr line,
+    seconds from the fault to its exit)."""
     try:
         deadline = time.time() + 120
-        while not has_checkpoint(4)(tmp_path):
+        while not has_checkpoint(4)(out_dir):
             assert all(p.poll() is None for p in ranks) and time.time() < deadline
             time.sleep(0.05)
+        t0 = time.time()
+        fault()
+        exits = [None, None]
+        while None in exits:
+            for r, p in enumerate(ranks):
+                if exits[r] is None and p.poll() is not None:
+                    exits[r] = time.time() - t0
+            assert time.time() < t0 + 120, "a rank did not stop"
+            time.sleep(0.02)
+        errors = [err.strip().splitlines()[-1] if err.strip() else "" for _, err in (p.communicate() for p in ranks)]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, line, seconds) for p, line, seconds in zip(ranks, errors, exits)]
+
+
+def test_a_write_error_on_rank_0_stops_every_rank_with_its_message(data_dir, tmp_path):
+    """After the first checkpoint every later checkpoint's temporary file is made a link to
+    /dev/full: rank 0's next checkpoint fails with ENOSPC."""
+    def disk_full():
         for step in range(8, 401, 4):
             try:
                 os.symlink("/dev/full", tmp_path / f"ckpt_{step:08d}.pt.tmp")
             except FileExistsError:  # being written now: the next one fails
                 pass
-        exits = [None, None]
-        while None in exits:
-            for r, p in enumerate(ranks):
-                if exits[r] is None and p.poll() is not None:
-                    exits[r] = time.time()
-            assert time.time() < deadline + 60, "a rank did not stop"
-            time.sleep(0.02)
-        outputs = [p.communicate() for p in ranks]
+
+    (status0, error0, exit0), (status1, error1, exit1) = after_first_checkpoint(
+        start_two_ranks(data_dir, tmp_path, "--max-steps", "400"), tmp_path, disk_full)
+    assert (status0, status1) == (5, 5), (error0, error1)
+    assert error0.startswith("error: cannot write ") and "the disk is full" in error0, error0
+    assert error1 == error0  # rank 1 reports rank 0's error, not a broken connection
+    assert abs(exit1 - exit0) < 10  # at the same step, not after a timeout
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["status"] == "write_failed" and f"ckpt_{summary['steps']:08d}.pt" in error0
+
+
+def test_a_bad_shard_read_by_rank_1_alone_stops_every_rank_with_its_error(tmp_path):
+    """A token out of the vocabulary in the one window that rank 1 reads first at step 6 (a shard
+    of other data): rank 1 alone meets it, and both ranks stop at that step with status 2 and
+    rank 1's error: line (printed once, by rank 0, as every user error under torchrun)."""
+    import train_gpt2
+    from data.shards import HEADER_BYTES
+
+    data = make_shards(str(tmp_path / "data"))
+    stream = train_gpt2.TokenStream(train_gpt2.find_shards(data, "train"), 64)
+    batches = train_gpt2.TrainBatches(stream, 32, 4, 1, 1337, rank=1, world_size=2)  # RUN's seed, TWO_RANKS
+    window = batches._window(5 * 2 * 4 + 1 * 4)  # step index 5, micro-step 0, rank 1: its first sequence
+    position = window * 32 + 1  # in this window only (neighbours share its first and last token)
+    shard = int((stream.offsets <= position).sum()) - 1
+    with open(stream.paths[shard], "r+b") as f:
+        f.seek(HEADER_BYTES + 2 * (position - int(stream.offsets[shard])))
+        f.write((60000).to_bytes(2, "little"))
+    ranks = start_two_ranks(data, tmp_path / "run", "--max-steps", "10")
+    try:
+        outputs = [p.communicate(timeout=120) for p in ranks]
     finally:
         for p in ranks:
             if p.poll() is None:
                 p.kill()
     errors = [err.strip().splitlines()[-1] for _, err in outputs]
-    assert [p.returncode for p in ranks] == [5, 5], [err[-2000:] for _, err in outputs]
-    assert errors[0].startswith("error: cannot write ") and "the disk is full" in errors[0], errors
-    assert errors[1] == errors[0]  # rank 1 reports rank 0's error, not a broken connection
-    assert abs(exits[1] - exits[0]) < 10  # at the same step, not after a timeout
-    summary = json.load(open(tmp_path / "summary.json"))
-    assert summary["status"] == "write_failed" and f"ckpt_{summary['steps']:08d}.pt" in errors[0]
-    assert not list(tmp_path.glob("*.tmp")) or all(os.path.islink(p) for p in tmp_path.glob("*.tmp"))
+    assert [p.returncode for p in ranks] == [2, 2], errors
+    assert errors[0].startswith("error: token id 60000 >= --vocab-size 64 in ") and errors[0].endswith(
+        "the shards do not match this model (on rank 1)"), errors[0]
+    assert not errors[1].startswith("error: ") and "Error" not in errors[1], errors[1]  # no traceback of its own
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl") if "train_loss" in line]
+    assert steps == [1, 2, 3, 4, 5]  # stopped in step 6, before its row
