@@ -68,9 +68,6 @@ class SolverOptions:
         return cls(**kwargs)
 
 
-SOLVER_FIELDS = tuple(f.name for f in fields(SolverOptions))
-
-
 @dataclass(frozen=True)
 class SolverPlan:
     """SolverOptions resolved for one device and dtype (`plan_for`): what every step runs."""

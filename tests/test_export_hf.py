@@ -13,8 +13,7 @@ from data.bpe import gpt2_encoding
 from errors import run_cli
 from synthetic import make_shards
 from tiny_gpt import tiny_model, train_checkpoints, trainer_logits, write_checkpoint
-from training.checkpoints import load_checkpoint
-from training.model_io import EOT, GPT2_VOCAB, find_checkpoint, gpt2_logits, load_model
+from training.model_io import EOT, GPT2_VOCAB, find_checkpoint, gpt2_logits
 
 transformers = pytest.importorskip("transformers")
 # fp32 on both sides, the same products (Conv1D's addmm with a zero bias, attention by HF's
