@@ -756,9 +756,9 @@ def lr_at(step, args):
 def max_violations(plan, args):
     """{manifold: max violation over the Muon matrices (or row blocks) assigned to it}."""
     out = {}
-    for _, p, _, pieces in plan:
+    for _, p, _, pieces, transposed in plan:
         for _, lo, hi, manifold in pieces:
-            violation = manifold_violation(p.detach()[lo:hi], manifold, args.dgram_cap)
+            violation = manifold_violation(p.detach()[lo:hi], manifold, args.dgram_cap, transposed)
             # NaN (blown-up weights) must win: max() would silently drop it
             out[manifold] = max(out.get(manifold, 0.0), violation, key=lambda v: math.inf if math.isnan(v) else v)
     return out

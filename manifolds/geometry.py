@@ -30,6 +30,20 @@ from kernels.products_torch import pair_scale
 from kernels.tangent import correction_product
 
 
+def stored_wide(rows, cols, transposed=False):
+    """Whether a stored (rows, cols) weight is transposed to reach its tall orientation, the side
+    whose Gram a manifold constrains. The side belongs to the map, not to its storage: a map's
+    weight is (out, in) as nn.Linear stores it, and `transposed` says the parameter stores (in, out)
+    (transformers' Conv1D). The map's weight is tall when out >= in, so a square map is constrained
+    on W^T W of its (out, in) weight W: nn.Linear's as stored, Conv1D's stored W^T transposed back."""
+    return rows <= cols if transposed else rows < cols
+
+
+def tall(W, transposed=False):
+    """W (..., rows, cols) on its tall orientation (stored_wide), a view."""
+    return W.mT if stored_wide(W.size(-2), W.size(-1), transposed) else W
+
+
 def polar_svd(X):
     """Exact polar factor U V^T by SVD: used once per matrix at initialisation, where the
     input can be far from orthonormal (square random matrices have tiny singular values that
@@ -258,3 +272,28 @@ MANIFOLDS = {m.name: m for m in (Stiefel(), DGram(), Oblique(), DGramCap(), Unco
 def geometry(name, dgram_cap=1.0):
     """The manifold object for a name (dgram-cap: with the cap `dgram_cap`)."""
     return DGramCap(dgram_cap) if name == "dgram-cap" else MANIFOLDS[name]
+
+
+def project_to_manifold(W, manifold, dgram_cap=1.0, transposed=False):
+    """The retraction R applied to an arbitrary W (e.g. an initialisation), same shape as W.
+    `transposed`: W stores its map's weight as (in, out), as transformers' Conv1D does; the
+    manifold then constrains the map's (out, in) weight (geometry.stored_wide).
+
+    Stiefel: msign(W); DGram: msign(W N^-1) N with N the column norms (tall orientation).
+    DGram-cap: the DGram projection with the column norms clipped at `dgram_cap`.
+    Computed with an exact SVD polar factor, so it is accurate however far W is from the manifold.
+    """
+    geo = geometry(manifold, dgram_cap)
+    out = geo.retract(tall(W, transposed), near=False)
+    return out.mT if stored_wide(W.size(-2), W.size(-1), transposed) else out
+
+
+def manifold_violation(W, manifold, dgram_cap=1.0, transposed=False):
+    """Distance from the manifold on the tall orientation, as a float (max over a batch);
+    `transposed` as for project_to_manifold.
+
+    Stiefel: max|W^T W - I|;  DGram: max|Off(W^T W)| / max diag(W^T W);  DGram-cap: the larger
+    of DGram's and the relative excess of the largest column norm over the cap;  none: 0.
+    """
+    with torch.no_grad():
+        return float(geometry(manifold, dgram_cap).violation(tall(W, transposed).double()).max())

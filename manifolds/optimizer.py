@@ -10,6 +10,20 @@ One step, for every parameter W with gradient g (group options lr = eta, momentu
 `lr` is the spectral norm of the step on every group: no extra shape factor. Weight decay
 applies to the unconstrained group only (a manifold fixes or frees the scale by itself).
 
+As any torch optimizer, a parameter whose `.grad` is None in a step (frozen, or unused by that
+forward) is left alone, weight and momentum: the bank is solved for the matrices that have one.
+Groups may be added at any time (`add_param_group`); a matrix given off its manifold (violation
+above `on_manifold_tol`) is projected onto it in place when its group is added, at construction
+or later (a frozen one at its first step with a gradient), so that every step starts on the
+manifold. A group with "transposed": True stores its maps' weights (in, out), as transformers'
+Conv1D: its manifold constrains the (out, in) weight (geometry.stored_wide), so a square Conv1D
+weight takes the side of its nn.Linear twin.
+
+One optimizer for a whole model: a group with "algorithm": "adamw" (any parameters, not only
+matrices) is stepped by torch's AdamW with that group's lr, betas, eps and weight_decay
+(defaults those of torch.optim.AdamW), its state ("step", "exp_avg", "exp_avg_sq") as AdamW's.
+Such groups are stepped on every rank (their gradients are the same everywhere under DDP).
+
 The unit of work is a *piece*: a whole parameter, or a block of its rows when its group
 gives `"blocks": [(row_lo, row_hi, manifold), ...]` (the fused QKV matrix as three q | k | v
 matrices, each on its own manifold). Pieces with the same manifold, shape and group options
@@ -34,14 +48,22 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
+from torch.optim.adamw import adamw
 
 from manifolds.dual import solve_tall_banks
-from manifolds.geometry import MANIFOLDS, geometry
+from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
 from manifolds.plan import SolverOptions, plan_for
 from manifolds.work import piece_cost
 
 # group options that may differ inside one bank: they enter the step per matrix
 PER_MATRIX = ("lr", "weight_decay")
+# group options that name or place a piece, not its step (a bank may mix them)
+NOT_OPTIONS = ("params", "name", "blocks", "manifold", "initial_lr", "transposed")
+# the update rules a group may name ("algorithm"); "manifold-muon" is the default
+ALGORITHMS = ("manifold-muon", "adamw")
+# an "adamw" group's options that it does not give: torch.optim.AdamW's defaults
+ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 # per-bank statistics of a step (`stats`): iterations and residual are maxima over matrices and ranks,
 # fallbacks a count
 STAT_FIELDS = ("iterations", "residual", "fallbacks")
@@ -75,9 +97,15 @@ class Piece:
         return self.param[self.lo:self.hi]
 
     @property
+    def transposed(self):
+        """The parameter stores its map's weight (in, out) (transformers' Conv1D)."""
+        return bool(self.group.get("transposed", False))
+
+    @property
     def wide(self):
-        """Fewer rows than columns: solved transposed (the tall orientation)."""
-        return self.hi - self.lo < self.param.size(1)
+        """Solved transposed, on the tall orientation of its map (geometry.stored_wide): fewer
+        rows than columns, or as many when stored (in, out)."""
+        return stored_wide(self.hi - self.lo, self.param.size(1), self.transposed)
 
 
 def per_matrix(W, values):
@@ -113,16 +141,24 @@ def balanced_owners(costs, world_size):
     return owners
 
 
+def on_manifold_tol(dtype):
+    """Largest violation of a matrix taken as on its manifold when its group is added: 1e-4, or
+    a few roundings of a low-precision dtype (bf16 weights are not closer than their rounding)."""
+    return max(1e-4, 4 * torch.finfo(dtype).eps)
+
+
 class ManifoldMuon(torch.optim.Optimizer):
     """Group options: lr, momentum, nesterov, weight_decay, manifold (or blocks), dgram_cap (the
-    column-norm cap of "dgram-cap"). Solver options (SolverOptions fields) are the optimizer's,
+    column-norm cap of "dgram-cap"), transposed; algorithm ("manifold-muon", or "adamw" with
+    lr, betas, eps, weight_decay). Solver options (SolverOptions fields) are the optimizer's,
     resolved once into `plan` for the parameters' device."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
                  manifold="none", dgram_cap=1.0, shard=True, **solver_opts):
         self.options = SolverOptions.from_kwargs(**solver_opts)
+        self._unprojected = []  # frozen matrices not yet checked against their manifold (add_param_group)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                        manifold=manifold, blocks=None, dgram_cap=dgram_cap)
+                        manifold=manifold, blocks=None, dgram_cap=dgram_cap, algorithm="manifold-muon")
         super().__init__(params, defaults)
         first = next((p for group in self.param_groups for p in group["params"]), None)
         self.plan = plan_for(self.options, first.device if first is not None else "cpu")
@@ -131,15 +167,63 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.rank = dist.get_rank() if distributed else 0
         self.last_stats = {}
 
+    # what torch.optim.Optimizer pickles (defaults, state, param_groups), and the rest of ours, so
+    # that copy.deepcopy and pickle give a working optimizer
+    OWN_ATTRIBUTES = ("options", "plan", "world_size", "rank", "last_stats", "_unprojected")
+
+    def __getstate__(self):
+        return {**super().__getstate__(), **{k: self.__dict__[k] for k in self.OWN_ATTRIBUTES}}
+
     def add_param_group(self, param_group):
+        """Add a group (at construction or later): checks it, and projects each of its matrices
+        that is off its manifold onto it, in place (exact retraction)."""
+        algorithm = param_group.get("algorithm", self.defaults["algorithm"])
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+        if algorithm == "adamw":  # AdamW's own defaults, not the Muon groups' lr and weight decay
+            param_group = {**ADAMW_DEFAULTS, **param_group}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        if algorithm == "adamw":
+            return
         for p in group["params"]:
             if p.dim() != 2:
-                raise ValueError(f"ManifoldMuon takes matrices; got a parameter of shape {tuple(p.shape)}")
+                raise ValueError(f"ManifoldMuon takes matrices (or an \"adamw\" group); got a parameter of shape "
+                                 f"{tuple(p.shape)}")
         for _, _, manifold in self._blocks(group, group["params"][0] if group["params"] else None):
             if manifold not in MANIFOLDS:
                 raise ValueError(f"unknown manifold {manifold!r}; valid: {sorted(MANIFOLDS)}")
+        for p in group["params"]:
+            if p.is_meta or is_fake(p):  # no values (meta device, FakeTensorMode): nothing to project
+                continue
+            if p.requires_grad:
+                self._project_onto_manifolds(group, p)
+            else:  # frozen: left as it is; projected at the first step that gives it a gradient
+                self._unprojected.append(p)
+
+    @torch.no_grad()
+    def _project_onto_manifolds(self, group, p):
+        """Project p's matrices that are off their manifold (violation > on_manifold_tol, checked
+        in fp32 on their device) onto it; those on it are left bitwise as they are."""
+        for lo, hi, manifold in self._blocks(group, p):
+            if manifold == "none":
+                continue
+            block, transposed = p[lo:hi], bool(group.get("transposed", False))
+            geo = geometry(manifold, group.get("dgram_cap", 1.0))
+            violation = geo.violation(tall(block.float(), transposed))
+            if not bool(violation <= on_manifold_tol(p.dtype)):  # NaN too: projected
+                block.copy_(project_to_manifold(block.float(), manifold, group.get("dgram_cap", 1.0), transposed))
+
+    def _project_unfrozen(self):
+        """Matrices added frozen that have a gradient now: onto their manifolds before their first step."""
+        unfrozen = [p for p in self._unprojected if p.grad is not None]
+        if not unfrozen:
+            return
+        self._unprojected = [p for p in self._unprojected if p.grad is None]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if any(p is q for q in unfrozen) and group.get("algorithm") != "adamw":
+                    self._project_onto_manifolds(group, p)
 
     @staticmethod
     def _blocks(group, p):
@@ -154,7 +238,10 @@ class ManifoldMuon(torch.optim.Optimizer):
         return blocks
 
     def pieces(self):
+        """Every matrix ManifoldMuon steps on a manifold (not the "adamw" groups'), in group order."""
         for group in self.param_groups:
+            if group.get("algorithm") == "adamw":
+                continue
             for p in group["params"]:
                 for lo, hi, manifold in self._blocks(group, p):
                     yield Piece(p, group, lo, hi, manifold)
@@ -165,8 +252,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         and group options (their groups may differ in lr and weight decay)."""
         by_key = OrderedDict()
         for piece in self.pieces():
-            options = tuple((k, v) for k, v in sorted(piece.group.items())
-                            if k not in ("params", "name", "blocks", "manifold", "initial_lr") + PER_MATRIX)
+            options = tuple((k, v) for k, v in sorted(piece.group.items()) if k not in NOT_OPTIONS + PER_MATRIX)
             rows, cols = piece.hi - piece.lo, piece.param.size(1)
             key = (piece.manifold, max(rows, cols), min(rows, cols), options)
             by_key.setdefault(key, []).append(piece)
@@ -212,15 +298,18 @@ class ManifoldMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._project_unfrozen()
+        self._step_adamw_groups()
         self.last_stats = {}
         owners = self.owners() if self.world_size > 1 else None
         active = []  # (name, pieces) of the banks stepped
         work = []  # (name, this rank's pieces of the bank), in bank order: the order the exchange packs
         for _, pieces in self.banks():
-            if any(piece.param.grad is None for piece in pieces):
-                if all(piece.param.grad is None for piece in pieces):
-                    continue
-                raise RuntimeError("ManifoldMuon needs gradients for all or none of a bank's matrices")
+            # a matrix without a gradient is left alone; under DDP every rank sees the same ones,
+            # so every rank packs the same exchange
+            pieces = [piece for piece in pieces if piece.param.grad is not None]
+            if not pieces:
+                continue
             name = self.bank_name(pieces)
             active.append((name, pieces))
             mine = pieces if self.world_size == 1 else [piece for piece in pieces if owners[piece.key] == self.rank]
@@ -234,6 +323,30 @@ class ManifoldMuon(torch.optim.Optimizer):
         elif active:
             self._exchange(active, computed, owners)
         return loss
+
+    def _step_adamw_groups(self):
+        """The "adamw" groups' step: torch's AdamW (functional form, its default implementation
+        for these tensors), state initialised as torch.optim.AdamW initialises it."""
+        for group in self.param_groups:
+            if group.get("algorithm") != "adamw":
+                continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            capturable = self.plan.capturable
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if capturable
+                                     else torch.tensor(0.0, dtype=torch.float32))
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            beta1, beta2 = group["betas"]
+            adamw(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
+                  [self.state[p]["exp_avg_sq"] for p in params], [], [self.state[p]["step"] for p in params],
+                  capturable=capturable, has_complex=any(torch.is_complex(p) for p in params),
+                  amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                  eps=group["eps"], maximize=False)
 
     def _exchange(self, banks, computed, owners):
         """Every rank's new weights to every rank: one flat all-gather. A rank's buffer is its
@@ -320,9 +433,9 @@ class ManifoldMuon(torch.optim.Optimizer):
     def _bank_inputs(self, pieces, momenta):
         """(W, G, warm start) of same-shape pieces, stacked, on the tall orientation."""
         # the tall orientation: constraints act on the small Gram matrix
-        tall = lambda X, piece: X.mT if piece.wide else X  # noqa: E731
-        G = torch.stack([tall(momenta[id(piece.param)][piece.lo:piece.hi], piece) for piece in pieces])
-        W = torch.stack([tall(piece.weight().float(), piece) for piece in pieces])
+        on_tall = lambda X, piece: X.mT if piece.wide else X  # noqa: E731
+        G = torch.stack([on_tall(momenta[id(piece.param)][piece.lo:piece.hi], piece) for piece in pieces])
+        W = torch.stack([on_tall(piece.weight().float(), piece) for piece in pieces])
         warm = [self.state[piece.param].get(piece.dual_key) for piece in pieces]
         return W, G, torch.stack(warm) if all(w is not None for w in warm) else None
 
@@ -404,6 +517,8 @@ class ManifoldMuon(torch.optim.Optimizer):
     def _drop_unowned(self):
         pieces = self.owned_pieces()
         params = {id(piece.param) for piece in pieces}
+        params.update(id(p) for group in self.param_groups if group.get("algorithm") == "adamw"
+                      for p in group["params"])  # stepped on every rank
         duals = {(id(piece.param), piece.dual_key) for piece in pieces}
         for p in list(self.state):
             if id(p) not in params:

@@ -23,31 +23,41 @@ expansion (c_fc; gate_proj and up_proj); mlp.proj the contraction (c_proj, down_
 role matrix goes to ManifoldMuon (a role the spec leaves out is `none`: plain Muon), everything
 else (embeddings, norms, biases, the LM head) to `rest`.
 
-Orientation: a manifold constrains the tall orientation of a matrix (the Gram W^T W of the
-smaller side), so an nn.Linear weight (out, in) and a Conv1D weight (in, out) of the same map
-are on the same manifold; the layout only decides which names are roles, and along which axis
-a fused QKV's q | k | v lie (rows for nn.Linear, columns for Conv1D).
+Orientation: a manifold constrains the tall orientation of the map's (out, in) weight (the
+Gram W^T W of its smaller side), so an nn.Linear weight (out, in) and a Conv1D weight (in, out)
+of the same map are on the same manifold, square ones included: the groups of Conv1D weights
+carry "transposed": True, which tells ManifoldMuon (and project_to_manifold, manifold_violation)
+the side. The layout also decides along which axis a fused QKV's q | k | v lie (rows for
+nn.Linear, columns for Conv1D).
+
+One optimizer for the whole model: `adamw={"lr": 3e-4, ...}` hands the rest back as one more
+group, {"params": rest, "name": "adamw", "algorithm": "adamw", **options}, which ManifoldMuon
+steps with AdamW (rest is then empty):
+
+    groups, _ = manifold_param_groups(model, "hetero", adamw={"lr": 3e-4, "weight_decay": 0.0})
+    opt = ManifoldMuon(groups, lr=0.02)
 """
 import fnmatch
 import re
+import sys
 from typing import NamedTuple
 
 import torch
 
-import manifolds  # project_to_manifold, read at call time (the package's __init__ imports this module)
 from errors import UserError
 from manifolds.assignment import MATRIX_KEYS, QKV_BLOCKS, parse_assignment, qkv_blocks
-from manifolds.geometry import MANIFOLDS
+from manifolds.geometry import MANIFOLDS, project_to_manifold
 
 
 class Matrix(NamedTuple):
     """One matrix ManifoldMuon steps: `pieces` [(label, row_lo, row_hi, manifold)] tile its rows
     (one piece, or the q | k | v blocks of a split fused QKV). `key` is its role, or the pattern
-    that chose it."""
+    that chose it; `transposed`: stored (in, out), as transformers' Conv1D (module docstring)."""
     name: str
     param: torch.Tensor
     key: str
     pieces: list
+    transposed: bool = False
 
 
 # role of a matrix by the end of its parameter name, "<...>.<layer>.<path>"
@@ -70,13 +80,16 @@ ROLE_ORDER = ("attn.qkv",) + QKV_BLOCKS + MATRIX_KEYS[1:]
 PATTERN_EXAMPLE = "{'*.attn.c_attn.weight': 'stiefel', '*.mlp.*.weight': 'dgram'}"
 
 
-def manifold_param_groups(model, spec, dgram_cap=1.0):
+def manifold_param_groups(model, spec, dgram_cap=1.0, adamw=None):
     """(groups, rest): ManifoldMuon's groups for the matrices `spec` assigns (module docstring),
-    each {"params", "name", and "manifold" or "blocks"}, and the model's other parameters, in
-    model.parameters() order, for another optimizer (AdamW).
+    each {"params", "name", and "manifold" or "blocks"; "transposed" for Conv1D weights}, and the
+    model's other parameters, in model.parameters() order, for another optimizer (AdamW). With
+    `adamw` (a dict of AdamW options: lr, betas, eps, weight_decay), the rest is instead one more
+    group that ManifoldMuon steps with AdamW, and `rest` is empty.
 
-    Projects each chosen matrix onto its manifold IN PLACE (exact retraction, under no_grad), so
-    that training starts on the manifolds: call it after the model is initialised (or its
+    Projects each chosen matrix onto its manifold IN PLACE (exact retraction, under no_grad; a
+    frozen one only once it trains, at its first ManifoldMuon step), so that training starts on
+    the manifolds: call it after the model is initialised (or its
     weights loaded) and before building the optimizers. `dgram_cap` is the column-norm cap of
     "dgram-cap"; its groups carry it. Under torch.distributed, call it on every rank with the
     same weights: ManifoldMuon then solves each rank's share of the matrices and exchanges them.
@@ -85,12 +98,32 @@ def manifold_param_groups(model, spec, dgram_cap=1.0):
     project_matrices(plan, dgram_cap)
     groups = muon_groups(plan, dgram_cap)
     chosen = {id(p) for group in groups for p in group["params"]}
-    return groups, [p for p in model.parameters() if id(p) not in chosen]
+    rest = [p for p in model.parameters() if id(p) not in chosen]
+    if adamw is None:
+        return groups, rest
+    if not isinstance(adamw, dict) or "params" in adamw:
+        raise UserError(f"adamw takes the AdamW options of the rest's group (a dict such as {{'lr': 3e-4}}); "
+                        f"got {adamw!r}")
+    return groups + [{"params": rest, "name": "adamw", **adamw, "algorithm": "adamw"}], []
 
 
 def matrix_plan(model, spec):
     """[Matrix] for `spec` (module docstring): role matrices in ROLE_ORDER then model order, or the
     pattern-matched matrices in model order."""
+    conv1d = stored_transposed(model)
+    return [matrix._replace(transposed=matrix.name in conv1d) for matrix in plan_by_name(model, spec)]
+
+
+def stored_transposed(model):
+    """Names of the model's weights stored (in, out): those of transformers' Conv1D modules."""
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")  # loaded by any transformers model
+    if pytorch_utils is None:
+        return set()
+    return {f"{name}.weight" if name else "weight" for name, module in model.named_modules()
+            if isinstance(module, pytorch_utils.Conv1D)}
+
+
+def plan_by_name(model, spec):
     if isinstance(spec, dict):
         return pattern_plan(model, spec)
     if isinstance(spec, str):
@@ -191,7 +224,7 @@ def muon_groups(plan, dgram_cap=1.0):
     together), named after its layout: "attn.qkv=stiefel", "attn.qkv=q:stiefel|k:stiefel|v:dgram",
     "<pattern>=dgram". Bank names in logs and statistics derive from these names."""
     groups = {}
-    for _, p, key, pieces in plan:
+    for _, p, key, pieces, transposed in plan:
         if len(pieces) == 1:
             layout, extra = f"{key}={pieces[0][3]}", {"manifold": pieces[0][3]}
         else:
@@ -199,18 +232,21 @@ def muon_groups(plan, dgram_cap=1.0):
             extra = {"blocks": [(lo, hi, m) for _, lo, hi, m in pieces]}
         if any(m == "dgram-cap" for *_, m in pieces):
             extra["dgram_cap"] = dgram_cap
-        groups.setdefault(layout, {"params": [], "name": layout, **extra})["params"].append(p)
+        if transposed:
+            extra["transposed"] = True
+        groups.setdefault((layout, transposed), {"params": [], "name": layout, **extra})["params"].append(p)
     return list(groups.values())
 
 
 @torch.no_grad()
 def project_matrices(plan, dgram_cap=1.0, only=None):
     """Project the plan's matrices (all, or those named in `only`) onto their manifolds in place
-    (exact retraction, computed in fp32 and stored in the parameter's dtype)."""
-    for name, p, _, pieces in plan:
-        if only is not None and name not in only:
+    (exact retraction, computed in fp32 and stored in the parameter's dtype). Frozen matrices
+    (requires_grad False) are left as they are: ManifoldMuon projects them at their first step."""
+    for name, p, _, pieces, transposed in plan:
+        if (only is not None and name not in only) or not p.requires_grad:
             continue
         for _, lo, hi, manifold in pieces:
             if manifold != "none":
-                p[lo:hi] = manifolds.project_to_manifold(p[lo:hi].float(), manifold, dgram_cap)
+                p[lo:hi] = project_to_manifold(p[lo:hi].float(), manifold, dgram_cap, transposed)
 

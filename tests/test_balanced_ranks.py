@@ -20,7 +20,7 @@ LAYOUTS = {  # {module key: manifold or qkv blocks} as train_gpt2's --assign pre
 
 def gpt2_matrices(n_embd, n_layer, layout, init=True):
     """(params, groups) shaped like GPT-2's Muon matrices (nn.Linear weights, out x in), one group
-    per module key as train_gpt2.muon_groups makes them. init=False: uninitialised (costs only)."""
+    per module key as train_gpt2.muon_groups makes them. init=False: on the meta device (costs only)."""
     C = n_embd
     shapes = {"attn.qkv": (3 * C, C), "attn.proj": (C, C), "mlp.fc": (4 * C, C), "mlp.proj": (C, 4 * C)}
     generator = torch.Generator().manual_seed(0)
@@ -31,7 +31,7 @@ def gpt2_matrices(n_embd, n_layer, layout, init=True):
         members = []
         for _ in range(n_layer):
             if not init:
-                members.append(torch.nn.Parameter(torch.empty(shape)))
+                members.append(torch.nn.Parameter(torch.empty(shape, device="meta")))
                 continue
             w = torch.randn(shape, generator=generator) * 0.02
             for lo, hi, m in blocks or [(0, shape[0], spec)]:

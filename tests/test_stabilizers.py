@@ -122,7 +122,7 @@ def test_qk_clip_keeps_dgram_on_its_manifold_and_skips_stiefel():
     assert (before[0] > 0.03).all()
     assert after[0].max() == pytest.approx(0.03, rel=1e-4)  # the layer's worst head sets the matrix's factor
     assert (after[0] < before[0]).all()  # every head of the layer scaled with it
-    for _, p, key, pieces in plan:
+    for _, p, key, pieces, _ in plan:
         for _, lo, hi, manifold in pieces:
             assert manifold_violation(p.detach()[lo:hi], manifold) <= 1e-5
     before, after, clip, _, _ = clipped("all-stiefel", tau=0.05, scale=1.0)

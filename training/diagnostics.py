@@ -35,6 +35,8 @@ import time
 import torch
 
 from manifolds import manifold_violation
+from manifolds.geometry import tall
+from manifolds.param_groups import Matrix
 
 
 def _sync(device):
@@ -160,8 +162,8 @@ def singular_values(matrices):
 def matrix_stats(plan, dgram_cap=1.0):
     """Singular values, manifold violation and DGram column norms of every Muon matrix.
 
-    `plan` is the trainer's [(parameter name, W, module key, [(label, row_lo, row_hi,
-    manifold)])]: one piece per matrix, or the q | k | v row blocks of a split fused QKV. Every
+    `plan` is the trainer's [Matrix(parameter name, W, module key, [(label, row_lo, row_hi,
+    manifold)], transposed=False)]: one piece per matrix, or the q | k | v row blocks of a split fused QKV. Every
     matrix gets its singular values; a fused QKV matrix (key "attn.qkv") also those of its q and
     k blocks (labelled name[q], name[k]), a split one those of all three. Violation and column
     norms are per piece. Returns the eval-row fields named in the module docstring, each a
@@ -169,7 +171,7 @@ def matrix_stats(plan, dgram_cap=1.0):
     """
     pieces = []  # (name, matrix) whose singular values are reported
     out = {"sigma_max": {}, "sigma_min": {}, "manifold_violation": {}, "col_norm_min": {}, "col_norm_max": {}}
-    for name, W, key, blocks in plan:
+    for name, W, key, blocks, transposed in (Matrix(*matrix) for matrix in plan):
         W = W.detach()
         pieces.append((name, W))
         if key == "attn.qkv":
@@ -178,10 +180,9 @@ def matrix_stats(plan, dgram_cap=1.0):
             pieces += [(label, W[i * rows:(i + 1) * rows]) for i, label in enumerate(labels)]
         for label, lo, hi, manifold in blocks:
             block = W[lo:hi]
-            out["manifold_violation"][label] = manifold_violation(block, manifold, dgram_cap)
+            out["manifold_violation"][label] = manifold_violation(block, manifold, dgram_cap, transposed)
             if manifold in ("dgram", "dgram-cap", "oblique"):
-                tall = block if block.size(-2) >= block.size(-1) else block.mT
-                norms = tall.double().norm(dim=-2)
+                norms = tall(block, transposed).double().norm(dim=-2)
                 out["col_norm_min"][label], out["col_norm_max"][label] = float(norms.min()), float(norms.max())
     by_shape, extremes = {}, {}
     for name, W in pieces:  # one batched eigenproblem per shape

@@ -52,7 +52,7 @@ class QKClip:
 
     def replan(self, plan):
         """Follow a new plan (--assign auto's switches change the attention's manifolds)."""
-        self.layers = [(param, pieces) for _, param, key, pieces in plan if key == "attn.qkv"]
+        self.layers = [(param, pieces) for _, param, key, pieces, _ in plan if key == "attn.qkv"]
         if len(self.layers) != len(self.attentions):
             raise ValueError("QK-Clip: one fused QKV matrix per attention layer expected")
 
