@@ -46,7 +46,7 @@ from training.run_log import RunLog, write_json
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation
 from manifolds.assignment import parse_assignment
-from manifolds.param_groups import matrix_plan, muon_groups, project_matrices
+from manifolds.param_groups import Matrix, matrix_plan, muon_groups, project_matrices
 from manifolds.dual import SolverOptions
 from manifolds.step_graph import StepGraph, lr_in_device_tensors
 
@@ -756,7 +756,7 @@ def lr_at(step, args):
 def max_violations(plan, args):
     """{manifold: max violation over the Muon matrices (or row blocks) assigned to it}."""
     out = {}
-    for _, p, _, pieces, transposed in plan:
+    for _, p, _, pieces, transposed in (Matrix(*matrix) for matrix in plan):
         for _, lo, hi, manifold in pieces:
             violation = manifold_violation(p.detach()[lo:hi], manifold, args.dgram_cap, transposed)
             # NaN (blown-up weights) must win: max() would silently drop it

@@ -341,6 +341,8 @@ class ManifoldMuon(torch.optim.Optimizer):
                                      else torch.tensor(0.0, dtype=torch.float32))
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif capturable and state["step"].device != p.device:  # loaded: a state_dict keeps it on the host
+                    state["step"] = state["step"].to(p.device, torch.float32)
             beta1, beta2 = group["betas"]
             adamw(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
                   [self.state[p]["exp_avg_sq"] for p in params], [], [self.state[p]["step"] for p in params],

@@ -84,8 +84,9 @@ def manifold_param_groups(model, spec, dgram_cap=1.0, adamw=None):
     """(groups, rest): ManifoldMuon's groups for the matrices `spec` assigns (module docstring),
     each {"params", "name", and "manifold" or "blocks"; "transposed" for Conv1D weights}, and the
     model's other parameters, in model.parameters() order, for another optimizer (AdamW). With
-    `adamw` (a dict of AdamW options: lr, betas, eps, weight_decay), the rest is instead one more
-    group that ManifoldMuon steps with AdamW, and `rest` is empty.
+    `adamw` (a dict of AdamW options: lr, betas, eps, weight_decay; True: torch.optim.AdamW's
+    defaults), the rest is instead one more group that ManifoldMuon steps with AdamW, and `rest`
+    is empty.
 
     Projects each chosen matrix onto its manifold IN PLACE (exact retraction, under no_grad; a
     frozen one only once it trains, at its first ManifoldMuon step), so that training starts on
@@ -99,11 +100,13 @@ def manifold_param_groups(model, spec, dgram_cap=1.0, adamw=None):
     groups = muon_groups(plan, dgram_cap)
     chosen = {id(p) for group in groups for p in group["params"]}
     rest = [p for p in model.parameters() if id(p) not in chosen]
-    if adamw is None:
+    if adamw is None or adamw is False:
         return groups, rest
+    if adamw is True:
+        adamw = {}  # torch.optim.AdamW's defaults
     if not isinstance(adamw, dict) or "params" in adamw:
-        raise UserError(f"adamw takes the AdamW options of the rest's group (a dict such as {{'lr': 3e-4}}); "
-                        f"got {adamw!r}")
+        raise UserError(f"adamw takes the AdamW options of the rest's group (a dict such as {{'lr': 3e-4}}, or True "
+                        f"for torch's defaults); got {adamw!r}")
     return groups + [{"params": rest, "name": "adamw", **adamw, "algorithm": "adamw"}], []
 
 

@@ -245,6 +245,17 @@ def test_an_adamw_group_steps_exactly_as_torchs_adamw():
         assert all(torch.equal(ours[i][k], theirs[j][k]) for k in ours[i])
 
 
+def test_manifold_param_groups_hands_the_rest_back_as_an_adamw_group():
+    model = tiny_gpt2()
+    groups, rest = manifold_param_groups(model, "hetero", adamw=True)
+    assert rest == [] and groups[-1]["algorithm"] == "adamw" and groups[-1]["name"] == "adamw"
+    _, alone = manifold_param_groups(tiny_gpt2(), "hetero")
+    assert [p.shape for p in groups[-1]["params"]] == [p.shape for p in alone]
+    assert ManifoldMuon(groups).param_groups[-1]["lr"] == 1e-3  # torch's AdamW default, not Muon's
+    with pytest.raises(Exception, match="adamw takes the AdamW options"):
+        manifold_param_groups(model, "hetero", adamw=3e-4)
+
+
 def test_adamw_groups_take_torchs_defaults_and_reject_an_unknown_algorithm():
     w, b = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
     opt = ManifoldMuon([{"params": [w], "manifold": "stiefel"}, {"params": [b], "algorithm": "adamw"}], lr=0.05)
@@ -340,6 +351,25 @@ def test_the_transformers_trainer_trains_with_one_manifold_muon_and_resumes_bitw
     assert [row["loss"] for row in resumed.state.log_history if "loss" in row] == losses  # 1..4 from the checkpoint
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_accelerates_prepare_save_state_and_load_state_continue_bitwise(tmp_path):
+    accelerate = pytest.importorskip("accelerate")
+
+    def prepared(seed):
+        model, opt = one_model_optimizer(seed)
+        accelerator = accelerate.Accelerator(cpu=True)
+        return (accelerator, *accelerator.prepare(model, opt))
+
+    accelerator, model, opt = prepared(0)
+    train(model, opt, 2)
+    accelerator.save_state(str(tmp_path / "state"))
+    train(model, opt, 2)
+    accelerator2, model2, opt2 = prepared(seed=5)
+    accelerator2.load_state(str(tmp_path / "state"))
+    train(model2, opt2, 2)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
 
 
 # --- under DDP with a frozen layer ----------------------------------------------------------------
