@@ -60,8 +60,8 @@ from manifolds.work import piece_cost
 PER_MATRIX = ("lr", "weight_decay")
 # group options that name or place a piece, not its step (a bank may mix them)
 NOT_OPTIONS = ("params", "name", "blocks", "manifold", "initial_lr", "transposed")
-# the update rules a group may name ("algorithm"); "manifold-muon" is the default
-ALGORITHMS = ("manifold-muon", "adamw")
+# the update rules a group may name ("algorithm"); "muon" is the default
+ALGORITHMS = ("muon", "adamw")
 # an "adamw" group's options that it does not give: torch.optim.AdamW's defaults
 ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 # per-bank statistics of a step (`stats`): iterations and residual are maxima over matrices and ranks,
@@ -149,7 +149,7 @@ def on_manifold_tol(dtype):
 
 class ManifoldMuon(torch.optim.Optimizer):
     """Group options: lr, momentum, nesterov, weight_decay, manifold (or blocks), dgram_cap (the
-    column-norm cap of "dgram-cap"), transposed; algorithm ("manifold-muon", or "adamw" with
+    column-norm cap of "dgram-cap"), transposed; algorithm ("muon", or "adamw" with
     lr, betas, eps, weight_decay). Solver options (SolverOptions fields) are the optimizer's,
     resolved once into `plan` for the parameters' device."""
 
@@ -158,7 +158,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.options = SolverOptions.from_kwargs(**solver_opts)
         self._unprojected = []  # frozen matrices not yet checked against their manifold (add_param_group)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                        manifold=manifold, blocks=None, dgram_cap=dgram_cap, algorithm="manifold-muon")
+                        manifold=manifold, blocks=None, dgram_cap=dgram_cap, algorithm="muon")
         super().__init__(params, defaults)
         first = next((p for group in self.param_groups for p in group["params"]), None)
         self.plan = plan_for(self.options, first.device if first is not None else "cpu")
