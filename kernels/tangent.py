@@ -16,13 +16,15 @@ import torch
 
 from kernels.precision import tf32_products
 
+# The Gram projectors the fused kernels apply themselves (a manifold's `kernel_name`; the manifolds
+# are manifolds/geometry.py's, which run any other mask on the "stiefel" kernel and mask after it)
 ZERO_DIAGONAL = {"stiefel": False, "dgram": True}  # P = identity / P = Off
-MANIFOLDS = (*ZERO_DIAGONAL, "none")
+KERNEL_MASKS = (*ZERO_DIAGONAL, "none")            # "none": P = 0
 
 
 def _zero_diagonal(manifold):
-    if manifold not in MANIFOLDS:
-        raise ValueError(f"unknown manifold {manifold!r}; valid: {', '.join(MANIFOLDS)}")
+    if manifold not in KERNEL_MASKS:
+        raise ValueError(f"no fused kernel for the Gram mask {manifold!r}; valid: {', '.join(KERNEL_MASKS)}")
     return ZERO_DIAGONAL.get(manifold)
 
 

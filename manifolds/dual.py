@@ -335,13 +335,13 @@ def finalize_banks(banks, plan, project=True):
 def solve_tall(W, G, geo, state, plan):
     """One bank on the tall orientation (W, G: (..., p, q), p >= q); G need not be normalised."""
     G = unit(G)
-    if geo.name == "none":
+    if not geo.constrained:
         A = kernels.msign(G, *MUON_STEPS, plan.backend)
         return Solution(A, None, torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device), 0)
-    if geo.name == "stiefel" and W.size(-2) == W.size(-1):
+    if geo.exact_square_step and W.size(-2) == W.size(-1):
         return exact_square_stiefel(W, G, geo, plan)
     solution = admm(W, G, geo, state, plan)
-    if geo.name == "dgram-cap":
+    if geo.has_boundary:
         solution = solve_capped(W, G, geo, state, plan, solution)
     return solution
 
@@ -357,7 +357,7 @@ def solve_tall_banks(banks, plan):
     solutions = [None] * len(banks)
     stacks = {}
     for i, (W, G, geo, state) in enumerate(banks):
-        if geo.name in ("stiefel", "dgram") and reducible(W, geo):
+        if geo.kernel_name is not None and not geo.has_boundary and reducible(W, geo):
             key = (W.size(-1), state is None, W.dtype, W.device)
             stacks.setdefault(key, []).append((i, (W, unit(G), geo, state)))
         else:

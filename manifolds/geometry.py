@@ -22,6 +22,12 @@ multiplier Lambda0 = -P(W^T G + G^T W) / (2 (d_i^2 + d_j^2)) of the Euclidean pr
 
 The fused kernels (kernels/tangent.py) apply Stiefel's, DGram's and none's P themselves
 (`kernel_name`); any other mask runs Stiefel's kernel and one masked select after it.
+
+Every fact about a manifold is its class's (the attributes of `Manifold`: its mask, norms,
+retraction and violation, and what the solver, QK-Clip and the diagnostics may do with it); no
+other module tests a manifold's name. `MANIFOLDS` is the registry of names: adding a manifold is
+a subclass and `register_manifold(MyManifold())`, after which its name works wherever a manifold
+is named (specs, groups, the trainer's --assign, the reference solver).
 """
 import torch
 
@@ -64,7 +70,9 @@ def diagonal_mask(keep):
 
 
 class Manifold:
-    """Interface shared by every manifold.
+    """Interface shared by every manifold. A new one defines `name`, `gram_mask`, `retract` and
+    `violation` (and `squared_norms` when its column norms are fixed, as Stiefel's), and states its
+    facts below where they differ from these defaults.
 
     The tangent operations run through `kernels` (fused Triton kernels on CUDA, torch elsewhere,
     as `backend` says); d2 are the squared column norms d_i^2 (..., q), which a solver computes
@@ -74,6 +82,18 @@ class Manifold:
     name = "abstract"
     kernel_name = None     # P as the fused kernels apply it ("stiefel", "dgram", "none"), or None: a mask
     orthogonal_columns = False  # W^T W diagonal on the manifold: the span reduction (span.py) applies
+    constrained = True     # False: no constraint, plain Muon (msign step, weight decay, no retraction)
+    exact_square_step = False  # square matrices: the steepest direction in closed form (dual.exact_square_stiefel)
+    has_boundary = False   # a set with a boundary: the tangent cone by an active set (dual.solve_capped)
+    # QK-Clip (training/qk_clip.py): which rescaling of a q or k matrix stays on the manifold:
+    # "rows" (any: per-head rows), "matrix" (only c W, one factor for the whole matrix) or None
+    qk_clip_scaling = None
+    column_norm_diagnostics = False  # the trainer's diagnostics report its column norms (they move)
+    options = ()           # the group options it reads (`configured`), which its groups carry
+
+    def configured(self, dgram_cap=1.0):
+        """This manifold with a group's options (dgram-cap: its cap); most take none."""
+        return self
 
     def gram_mask(self, q, device):
         """P's mask, a (..., q, q) bool tensor that broadcasts over the batch."""
@@ -127,6 +147,7 @@ class Manifold:
 class Stiefel(Manifold):
     name = kernel_name = "stiefel"
     orthogonal_columns = True
+    exact_square_step = True  # square: A* = W msign(skew(W^T G)) in closed form
 
     def gram_mask(self, q, device):
         return torch.ones(q, q, dtype=torch.bool, device=device)
@@ -149,6 +170,8 @@ class Stiefel(Manifold):
 class DGram(Manifold):
     name = kernel_name = "dgram"
     orthogonal_columns = True
+    qk_clip_scaling = "matrix"  # c W keeps W^T W diagonal; a row scaling does not
+    column_norm_diagnostics = True
 
     def gram_mask(self, q, device):
         return ~torch.eye(q, dtype=torch.bool, device=device)
@@ -181,6 +204,7 @@ class Oblique(Manifold):
     ADMM runs on the full matrices. The retraction R(X) = X N^-1 is exact: R(W) = W on the set.
     """
     name = "oblique"
+    column_norm_diagnostics = True
 
     def gram_mask(self, q, device):
         return torch.eye(q, dtype=torch.bool, device=device)
@@ -195,6 +219,8 @@ class Oblique(Manifold):
 
 class Unconstrained(Manifold):
     name = kernel_name = "none"
+    constrained = False
+    qk_clip_scaling = "rows"
 
     def gram_mask(self, q, device):
         return torch.zeros(q, q, dtype=torch.bool, device=device)
@@ -224,6 +250,8 @@ class DGramCap(DGram):
     geometry with it (its mask no longer DGram's: kernel_name None).
     """
     name = "dgram-cap"
+    has_boundary = True
+    options = ("dgram_cap",)
 
     def __init__(self, cap=1.0, pinned=None):
         if not cap > 0:
@@ -231,6 +259,9 @@ class DGramCap(DGram):
         self.cap = float(cap)
         self.pinned = pinned
         self.kernel_name = "dgram" if pinned is None else None
+
+    def configured(self, dgram_cap=1.0):
+        return DGramCap(dgram_cap)
 
     def pin(self, pinned):
         return DGramCap(self.cap, pinned)
@@ -266,12 +297,32 @@ class MaskedGram(Manifold):
         return self.mask
 
 
-MANIFOLDS = {m.name: m for m in (Stiefel(), DGram(), Oblique(), DGramCap(), Unconstrained())}
+MANIFOLDS = {}  # the registry: name -> Manifold
+
+
+def register_manifold(manifold, replace=False):
+    """Make a manifold known by its name (specs, groups, the trainer, the reference solver).
+    Returns it. A name already taken is an error unless `replace`."""
+    if not isinstance(manifold, Manifold):
+        raise TypeError(f"register_manifold takes a Manifold instance; got {type(manifold).__name__}")
+    name = manifold.name
+    if not isinstance(name, str) or not name or any(c in name for c in ",=:|[] ") or name == Manifold.name:
+        raise ValueError(f"a manifold needs a name of its own without , = : | [ ] or spaces; got {name!r}")
+    if name in MANIFOLDS and not replace and MANIFOLDS[name] is not manifold:
+        raise ValueError(f"a manifold named {name!r} is registered already")
+    MANIFOLDS[name] = manifold
+    return manifold
+
+
+for _manifold in (Stiefel(), DGram(), Oblique(), DGramCap(), Unconstrained()):
+    register_manifold(_manifold)
 
 
 def geometry(name, dgram_cap=1.0):
-    """The manifold object for a name (dgram-cap: with the cap `dgram_cap`)."""
-    return DGramCap(dgram_cap) if name == "dgram-cap" else MANIFOLDS[name]
+    """The registered manifold of a name, with a group's options (dgram-cap: its cap `dgram_cap`)."""
+    if name not in MANIFOLDS:
+        raise ValueError(f"unknown manifold {name!r}; valid: {', '.join(MANIFOLDS)}")
+    return MANIFOLDS[name].configured(dgram_cap)
 
 
 def project_to_manifold(W, manifold, dgram_cap=1.0, transposed=False):

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adamw import adamw
 
+from manifolds import reference
 from manifolds.dual import solve_tall_banks
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
 from manifolds.plan import SolverOptions, plan_for
@@ -206,7 +207,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         """Project p's matrices that are off their manifold (violation > on_manifold_tol, checked
         in fp32 on their device) onto it; those on it are left bitwise as they are."""
         for lo, hi, manifold in self._blocks(group, p):
-            if manifold == "none":
+            if not geometry(manifold).constrained:
                 continue
             block, transposed = p[lo:hi], bool(group.get("transposed", False))
             geo = geometry(manifold, group.get("dgram_cap", 1.0))
@@ -423,6 +424,8 @@ class ManifoldMuon(torch.optim.Optimizer):
         """[(pieces, new weights stacked in their orientation)] for banks [(name, pieces)] (all of
         each bank's pieces, or this rank's): one solve_tall_banks under the plan."""
         inputs = [self._bank_inputs(pieces, momenta) for _, pieces in banks]
+        if self.options.solver == "reference":
+            return [(pieces, self._reference_bank(pieces, name, W, G)) for (W, G, _), (name, pieces) in zip(inputs, banks)]
         solutions = solve_tall_banks([(W, G, self._geometry(pieces), state)
                                       for (W, G, state), (_, pieces) in zip(inputs, banks)], self.plan)
         return [(pieces, self._finish_bank(pieces, name, W, solution))
@@ -445,7 +448,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         """[new weight of each piece] (its own orientation) from their solution; keeps the warm start."""
         manifold = pieces[0].manifold
         eta = per_matrix(W, [piece.group["lr"] for piece in pieces])
-        if manifold == "none":
+        if not self._geometry(pieces).constrained:  # plain Muon: weight decay, no retraction
             decay = per_matrix(W, [piece.group["weight_decay"] for piece in pieces])
             new_W = W * (1 - eta * decay) - eta * solution.A
         else:
@@ -457,6 +460,20 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max(),
                                  "fallbacks": solution.fallbacks}
         return [w.mT if piece.wide else w for piece, w in zip(pieces, new_W.unbind(0))]
+
+    def _reference_bank(self, pieces, name, W, G):
+        """[new weight of each piece] by manifolds/reference.py, matrix by matrix (W, G tall): the
+        same lr, weight decay and retraction as the fast path; no warm start."""
+        geo = self._geometry(pieces)
+        new_W, residuals, iterations = [], [0.0], 0
+        for piece, W_i, G_i in zip(pieces, W.unbind(0), G.unbind(0)):
+            new, run, residual = reference.step_tall(W_i, G_i, geo, piece.group["lr"], piece.group["weight_decay"])
+            iterations, residuals = max(iterations, run), residuals + [residual]
+            new_W.append(new.mT if piece.wide else new)
+            self.state[piece.param].pop(piece.dual_key, None)
+        self.last_stats[name] = {"iterations": torch.tensor(float(iterations)), "residual": torch.tensor(max(residuals)),
+                                 "fallbacks": torch.tensor(0.0)}
+        return new_W
 
     def _keep_warm_starts(self, pieces, states):
         """Store each piece's warm start, into its tensor of the last step where there is one

@@ -9,7 +9,7 @@ weak duality: for any N in the normal space, <G, A> <= ||G - N||_* for every fea
 """
 import torch
 
-from manifolds.geometry import MANIFOLDS
+from manifolds.geometry import geometry
 from manifolds.reference import spectral_clip
 
 
@@ -29,7 +29,7 @@ def optimum(W, G, manifold, iters=3000, in_span=False, tol=1e-9, check_every=50)
     tangent projection subtracts W M, the clip acts on the right), and <G, A>, ||A||_op, the
     tangent projection and the nuclear norm of the certificate are the same in an orthonormal
     basis: the same optimum at a fraction of the cost for GPT-2-small shapes (3072 x 768)."""
-    geo = MANIFOLDS[manifold]
+    geo = geometry(manifold)
     W, G = W.double(), G.double()
     if W.size(-2) < W.size(-1):
         W, G = W.mT, G.mT
@@ -98,7 +98,7 @@ def cone_projection(W, A, capped):
     The normal directions W (E_ij + E_ji) (i != j) and W E_ii are mutually orthogonal because
     W^T W is diagonal, so the projection splits: DGram's subspace projection, then for each
     capped column i with w_i . a_i < 0 the component along w_i removed (w_i . a_i >= 0 holds)."""
-    A = MANIFOLDS["dgram"].tangent_projection(W, A)
+    A = geometry("dgram").tangent_projection(W, A)
     wa = (W * A).sum(dim=-2)
     fix = capped & (wa < 0)
     return A - W * torch.where(fix, wa / W.square().sum(dim=-2), torch.zeros_like(wa))

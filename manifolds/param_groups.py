@@ -46,7 +46,7 @@ import torch
 
 from errors import UserError
 from manifolds.assignment import MATRIX_KEYS, QKV_BLOCKS, parse_assignment, qkv_blocks
-from manifolds.geometry import MANIFOLDS, project_to_manifold
+from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold
 
 
 class Matrix(NamedTuple):
@@ -164,7 +164,7 @@ def role_plan(model, assignment_of_layer, spec):
     plan, served, wanted = [], set(), set()
     for name, p, role, layer in sorted(roles, key=lambda r: ROLE_ORDER.index(r[2])):
         assignment = assignment_of_layer(layer)
-        wanted.update(key for key, manifold in assignment.items() if manifold != "none")
+        wanted.update(key for key, manifold in assignment.items() if geometry(manifold).constrained)
         split = qkv_blocks(assignment)
         if role == "attn.qkv" and split is not None:
             pieces = fused_qkv_blocks(name, p, split, spec)
@@ -233,7 +233,7 @@ def muon_groups(plan, dgram_cap=1.0):
         else:
             layout = f"{key}=" + "|".join(f"{label[-2]}:{m}" for label, _, _, m in pieces)
             extra = {"blocks": [(lo, hi, m) for _, lo, hi, m in pieces]}
-        if any(m == "dgram-cap" for *_, m in pieces):
+        if any("dgram_cap" in geometry(m).options for *_, m in pieces):
             extra["dgram_cap"] = dgram_cap
         if transposed:
             extra["transposed"] = True
@@ -250,6 +250,6 @@ def project_matrices(plan, dgram_cap=1.0, only=None):
         if (only is not None and name not in only) or not p.requires_grad:
             continue
         for _, lo, hi, manifold in pieces:
-            if manifold != "none":
+            if geometry(manifold).constrained:
                 p[lo:hi] = project_to_manifold(p[lo:hi].float(), manifold, dgram_cap, transposed)
 

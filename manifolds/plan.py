@@ -20,6 +20,7 @@ from kernels.matrix_sign import CLIP_SCHEDULE, EXACT_SCHEDULE, POLAR_SCHEDULE
 CLIPS = ("auto", "eigh", "polynomial")
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 CAPTURABLE = ("auto", True, False)
+SOLVERS = ("fast", "reference")
 
 # Fixed budgets (not settings: no experiment moves them)
 MUON_STEPS = (5, 2)  # plain Muon's msign: Polar Express steps, then Newton-Schulz polish steps
@@ -42,8 +43,11 @@ class SolverOptions:
     clip: str = "auto"         # spectral clip: eigh (of the q x q Gram) or polynomial; auto: eigh on CPU
     capturable: object = "auto"  # no host syncs (fixed budgets); auto: on CUDA
     backend: str = "auto"      # kernels: triton, torch, or auto (triton on CUDA)
+    solver: str = "fast"       # fast (this plan), or reference: manifolds/reference.py, exact SVDs, slow
 
     def __post_init__(self):
+        if self.solver not in SOLVERS:
+            raise ValueError(f"unknown solver {self.solver!r}; valid: {', '.join(SOLVERS)}")
         if self.clip not in CLIPS:
             raise ValueError(f"unknown clip {self.clip!r}; valid: {', '.join(CLIPS)}")
         if self.precision not in PRECISIONS:
@@ -103,6 +107,9 @@ class SolverPlan:
     def summary(self):
         """One line for a run's log."""
         o = self.options
+        if o.solver == "reference":
+            return (f"solver on {self.device}: reference (manifolds/reference.py: plain torch, exact SVDs, ADMM to "
+                    f"convergence; slow), capturable off")
         sign = "" if self.clip == "eigh" else f", signs {self.sign_dtype} (clip {self.clip_steps} steps, polar {self.polar_steps})"
         return (f"solver on {self.device}: kernels {self.backend}, clip {self.clip}, iterations {self.precision}{sign}, "
                 f"square stiefel exact ({self.exact_sign[0]} {self.exact_sign[1]}), "
@@ -133,6 +140,10 @@ def plan_for(options, device, dtype=torch.float32):
         precision = options.precision
     full = precision == "fp32" and dtype == torch.float32
     capturable = cuda if options.capturable == "auto" else options.capturable
+    if options.solver == "reference":
+        if options.capturable is True:
+            raise ValueError("the reference solver reads values on the host: it cannot be capturable")
+        capturable = False
     exact_sign = ("minimax", len(EXACT_SCHEDULE)) if precision == "tf32" else ("polar-express", sum(MUON_STEPS))
     return SolverPlan(options=options, device=device.type, backend=backend, clip=clip, precision=precision,
                       sign_dtype="float32" if full else "bfloat16", capturable=bool(capturable),

@@ -93,7 +93,7 @@ class StackedSpans:
         v = power_steps(K, torch.ones(K.shape[:-1] + (1,), dtype=K.dtype, device=K.device), 8, every=4)
         self.K_norm = (v * (K @ v)).sum(dim=(-2, -1))
         geos = [geo for _, _, geo, _ in banks]
-        if len({geo.name for geo in geos}) == 1 and geos[0].kernel_name is not None:
+        if len({geo.kernel_name for geo in geos}) == 1 and geos[0].kernel_name is not None:
             self.geo = geos[0]  # one manifold the kernels know: its own projector, no mask
         else:
             self.geo = MaskedGram(torch.cat([geo.gram_mask(q, W.device).expand(W.shape[:-2] + (q, q))

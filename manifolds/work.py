@@ -25,15 +25,16 @@ def sign_work(rows, q, steps):
 def matrix_work(manifold, p, q, plan):
     """{term: multiply-adds} of one warm step of a p x q matrix (p >= q) on `manifold`."""
     muon_steps = sum(MUON_STEPS)
-    if manifold == "none":
+    geo = geometry(manifold)
+    if not geo.constrained:
         return {"msign": sign_work(p, q, muon_steps)}
     retraction = sign_work(p, q, 3)  # three Newton-Schulz steps
-    if manifold == "stiefel" and p == q:
+    if geo.exact_square_step and p == q:
         return {"multiplier": 3 * p * q * q + q ** 3, "msign": sign_work(p, q, muon_steps),
                 "polish": 2 * p * q * q + sign_work(p, q, 2), "projection and norm": 3 * p * q * q + 5 * q ** 3,
                 "retraction": retraction}
     iterations = plan.options.iterations * (2 if p < 2 * q else 1)
-    reduced = geometry(manifold).orthogonal_columns and p >= 2 * q  # ADMM in span[W, G]: on 2q x q problems
+    reduced = geo.orthogonal_columns and p >= 2 * q  # ADMM in span[W, G]: on 2q x q problems
     n = 2 * q if reduced else p
     projection = 2 * q * q if reduced else 2 * p * q * q
     if plan.clip == "eigh":

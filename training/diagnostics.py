@@ -35,7 +35,7 @@ import time
 import torch
 
 from manifolds import manifold_violation
-from manifolds.geometry import tall
+from manifolds.geometry import geometry, tall
 from manifolds.param_groups import Matrix
 
 
@@ -181,7 +181,7 @@ def matrix_stats(plan, dgram_cap=1.0):
         for label, lo, hi, manifold in blocks:
             block = W[lo:hi]
             out["manifold_violation"][label] = manifold_violation(block, manifold, dgram_cap, transposed)
-            if manifold in ("dgram", "dgram-cap", "oblique"):
+            if geometry(manifold).column_norm_diagnostics:
                 norms = tall(block, transposed).double().norm(dim=-2)
                 out["col_norm_min"][label], out["col_norm_max"][label] = float(norms.min()), float(norms.max())
     by_shape, extremes = {}, {}

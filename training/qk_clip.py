@@ -27,7 +27,12 @@ here reads a device value on the host: the counters are tensors, read when a row
 import torch
 import torch.distributed as dist
 
-SCALABLE = {"none": "rows", "dgram": "matrix", "dgram-cap": "matrix", "stiefel": None, "oblique": None}
+from manifolds.geometry import geometry
+
+
+def scaling(manifold):
+    """How a q or k matrix on this manifold may be rescaled: "rows", "matrix" or None (its class says)."""
+    return geometry(manifold).qk_clip_scaling
 
 
 class QKClip:
@@ -74,16 +79,16 @@ class QKClip:
         C = W.size(0) // 3
         sides = [(lo, hi, manifold) for _, lo, hi, manifold in pieces if lo < 2 * C]  # pieces holding q or k rows
         scalable = sum(1 for lo, hi, manifold in sides for side in ("q", "k")
-                       if SCALABLE[manifold] and _holds(lo, hi, side, C))
+                       if scaling(manifold) and _holds(lo, hi, side, C))
         if scalable == 0:
             self.skipped[layer] += over.any()
             return
         power = 1.0 / scalable  # the logit is bilinear in q and k: split gamma over what can scale
-        if any(SCALABLE[m] is None for _, _, m in sides):
+        if any(scaling(m) is None for _, _, m in sides):
             self.skipped[layer] += over.any()  # one side could not take its share
         per_head = gamma.pow(power).repeat_interleave(d_head)  # (C,): a factor per row of a q or k block
         for lo, hi, manifold in sides:
-            how = SCALABLE[manifold]
+            how = scaling(manifold)
             if how == "rows":
                 for side, start in (("q", 0), ("k", C)):
                     if _holds(lo, hi, side, C):
