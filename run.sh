@@ -115,7 +115,7 @@ quick_data() {
 paper_data() {
     DATA_DIR="$DATA_ROOT/openwebtext"
     finished "$DATA_DIR" && return
-    echo "== preparing OpenWebText in $DATA_DIR (about 75 GB of disk while it runs; see README)"
+    echo "== preparing OpenWebText in $DATA_DIR (about 75 GB of disk while it runs; see docs/data.md)"
     "$VENV/bin/python" -m data.prepare --out-dir "$DATA_DIR"
 }
 

@@ -420,7 +420,7 @@ def attempt_store(rank, world_size):
     group left there (each rank's address) would be read by the next attempt's, which then
     connects to dead ranks. A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps attempts apart.
     The count is each node's own: on several nodes, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for
-    torchrun instead (README)."""
+    torchrun instead (docs/checkpoints.md)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,

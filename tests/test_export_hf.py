@@ -67,7 +67,7 @@ def test_generate_runs_and_greedy_matches_ours(exported):
     hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     context = [EOT] + tokenizer("The quick brown fox")["input_ids"]  # sample.py's context
-    assert tokenizer("<|endoftext|>The quick brown fox")["input_ids"] == context  # README's recipe for it
+    assert tokenizer("<|endoftext|>The quick brown fox")["input_ids"] == context  # docs/checkpoints.md's recipe for it
     with torch.no_grad():
         out = hf.generate(torch.tensor([context]), max_new_tokens=10, do_sample=False, pad_token_id=EOT)
     ours = sample.generate(model, context, 1, 10, temperature=0)

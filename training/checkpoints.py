@@ -17,7 +17,7 @@ Two checks run on every load (`load_checkpoint`), before anything is unpickled:
 Bytes that changed after the write (bit rot, a bad copy, a disk that lies) make a checkpoint
 "corrupt" like a truncated one: `load_newest` skips it, and a checkpoint named by the user is an
 error. Only tensors and plain Python values are stored, so loading uses torch.load(weights_only=True).
-What the two checks cost is in README ("Never losing a run").
+What the two checks cost is in docs/checkpoints.md ("Never losing a run").
 
 Disk use of rotation: `keep` checkpoints plus the one being written, (keep + 1) x its size at
 the peak. A write that fails (full disk, quota, I/O error) removes its temporary file, leaves the
