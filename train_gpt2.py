@@ -46,8 +46,8 @@ from training.run_log import RunLog, write_json
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation
 from manifolds.assignment import parse_assignment
-from manifolds.param_groups import Matrix, matrix_plan, muon_groups, project_matrices
-from manifolds.dual import SolverOptions
+from manifolds.param_groups import Matrix, assigned_matrices, muon_groups, project_matrices
+from manifolds.plan import SOLVER_VALUE_TEXT, SolverOptions, parse_solver_value, show_value, solver_value_kind
 from manifolds.step_graph import StepGraph, lr_in_device_tensors
 
 # ----------------------------------------------------------------------------------------
@@ -213,43 +213,6 @@ SOLVER_FLAG_OPTIONS = {"backend": "--kernels", "precision": "--solver-precision"
 def solver_opt_defaults():
     """{key: default} of the SolverOptions fields that --solver-opt sets."""
     return {f.name: f.default for f in dataclasses.fields(SolverOptions) if f.name not in SOLVER_FLAG_OPTIONS}
-
-
-def show_value(value):
-    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-
-
-def solver_value_kind(key, default):
-    """What --solver-opt KEY takes, from the type of KEY's default: "switch" (on/off) for a bool,
-    "auto-or-switch" for a field that defaults to "auto" without being typed str (capturable),
-    else the default's type name (int, float, str)."""
-    field_type = {f.name: f.type for f in dataclasses.fields(SolverOptions)}[key]
-    if isinstance(default, bool):
-        return "switch"
-    if default == "auto" and field_type not in (str, "str"):
-        return "auto-or-switch"
-    return type(default).__name__
-
-
-SOLVER_VALUE_TEXT = {"switch": "on or off", "auto-or-switch": "auto, on or off", "int": "a whole number",
-                     "float": "a finite number", "str": "a name"}
-SWITCH = {"on": True, "true": True, "off": False, "false": False}
-
-
-def parse_solver_value(kind, text):
-    """VALUE of --solver-opt KEY=VALUE for KEY's `kind` (solver_value_kind); None when it does not parse."""
-    word = text.strip().lower()
-    if kind == "switch":
-        return SWITCH.get(word)
-    if kind == "auto-or-switch":
-        return "auto" if word == "auto" else SWITCH.get(word)
-    if kind in ("int", "float"):
-        try:
-            value = int(text) if kind == "int" else float(text)
-        except ValueError:
-            return None
-        return value if math.isfinite(value) else None
-    return text
 
 
 def parse_solver_opts(items):
@@ -724,11 +687,6 @@ def layer_assignments(args, auto):
             for layer in range(args.n_layer)]
 
 
-def project_plan(plan, args, only=None):
-    """Project Muon matrices (all, or those named in `only`) onto their manifolds (exact SVD polar)."""
-    project_matrices(plan, args.dgram_cap, only)
-
-
 def build_optimizers(model, args, device, auto=None):
     # the one path from an assignment to Muon's groups (manifolds.param_groups, as for any model);
     # it projects the GPT-2 init onto the manifolds
@@ -753,11 +711,11 @@ def lr_at(step, args):
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - args.min_lr)
 
 
-def max_violations(plan, args):
+def max_violations(matrices, args):
     """{manifold: max violation over the Muon matrices (or row blocks) assigned to it}."""
     out = {}
-    for _, p, _, pieces, transposed in (Matrix(*matrix) for matrix in plan):
-        for _, lo, hi, manifold in pieces:
+    for _, p, _, blocks, transposed in (Matrix(*matrix) for matrix in matrices):
+        for _, lo, hi, manifold in blocks:
             violation = manifold_violation(p.detach()[lo:hi], manifold, args.dgram_cap, transposed)
             # NaN (blown-up weights) must win: max() would silently drop it
             out[manifold] = max(out.get(manifold, 0.0), violation, key=lambda v: math.inf if math.isnan(v) else v)
@@ -800,7 +758,7 @@ def evaluate(model, stream, args, device, autocast, env=DistEnv(), probe=None):
     return total / count, windows * args.seq_len
 
 
-def evaluate_and_diagnose(model, plan, stream, args, device, autocast, env=DistEnv()):
+def evaluate_and_diagnose(model, matrices, stream, args, device, autocast, env=DistEnv()):
     """evaluate(), plus on rank 0 the diagnostics of training/diagnostics.py (attention logits
     and softmax saturation of the first val batch; singular values, manifold violation and DGram
     column norms of every Muon matrix) and what they cost: `eval_ms` is the loss pass alone,
@@ -812,7 +770,7 @@ def evaluate_and_diagnose(model, plan, stream, args, device, autocast, env=DistE
     if probe is None:
         return val_loss, eval_tokens, {}
     t1 = time.perf_counter()
-    fields = {**probe.results(), **matrix_stats(plan, args.dgram_cap)}
+    fields = {**probe.results(), **matrix_stats(matrices, args.dgram_cap)}
     weights_ms = 1000 * (time.perf_counter() - t1)
     return val_loss, eval_tokens, {**fields, "eval_ms": 1000 * (t1 - t0) - probe.ms,
                                    "diagnostics_ms": probe.ms + weights_ms}
@@ -902,7 +860,7 @@ def train(args, env, cleanup):
 @dataclass
 class Run:
     """What the phases of one run share. `setup` builds it; the loop updates the losses, the
-    matrix plan (--assign auto's switches), the steps done and the divergence record."""
+    assigned matrices (--assign auto's switches), the steps done and the divergence record."""
     args: argparse.Namespace
     env: DistEnv
     say: object                    # print on rank 0, nothing elsewhere
@@ -914,7 +872,7 @@ class Run:
     model: GPT
     muon: ManifoldMuon
     adamw: torch.optim.AdamW
-    plan: list                     # matrix_plan of the current assignment
+    matrices: list                 # assigned_matrices of the current assignment
     auto: AutoAssign = None        # --assign auto
     qk_clip: QKClip = None         # --qk-clip
     step_model: nn.Module = None   # what the forward runs: the model, compiled and in DDP as asked
@@ -971,10 +929,10 @@ def setup(args, env, cleanup):
         if payload is not None:  # the switches taken so far shape the optimizer's groups
             auto.load_state_dict(payload["auto"])
     muon, adamw = build_optimizers(model, args, device, auto)
-    plan = matrix_plan(model, layer_assignments(args, auto))
-    qk_clip = QKClip([block.attn for block in model.blocks], plan, args.qk_clip, env.world_size > 1) if args.qk_clip else None
+    matrices = assigned_matrices(model, layer_assignments(args, auto))
+    qk_clip = QKClip([block.attn for block in model.blocks], matrices, args.qk_clip, env.world_size > 1) if args.qk_clip else None
     run = Run(args=args, env=env, say=say, device=device, autocast=autocast, train_stream=train_stream,
-              val_stream=val_stream, batches=batches, model=model, muon=muon, adamw=adamw, plan=plan, auto=auto,
+              val_stream=val_stream, batches=batches, model=model, muon=muon, adamw=adamw, matrices=matrices, auto=auto,
               qk_clip=qk_clip)
     if payload is not None:
         resume(run, payload, resume_path)
@@ -1192,7 +1150,7 @@ def log_step(run, step, record):
 def evaluate_and_log(run, step):
     """The eval after step `step`: val loss and diagnostics (run.val_loss), their row and line,
     and --assign auto's switches."""
-    run.val_loss, eval_tokens, fields = evaluate_and_diagnose(run.model, run.plan, run.val_stream, run.args,
+    run.val_loss, eval_tokens, fields = evaluate_and_diagnose(run.model, run.matrices, run.val_stream, run.args,
                                                               run.device, run.autocast, run.env)
     replica_diff = replica_max_abs_diff(run.model, run.env)
     if run.qk_clip is not None:
@@ -1209,7 +1167,7 @@ def evaluate_and_log(run, step):
 def auto_switch(run, step, fields):
     """--assign auto at an eval: rank 0 decides from its diagnostics `fields`, every rank applies
     the switches: Stiefel attention for those layers (weights projected, dual state reset,
-    momentum kept), a new matrix plan for Muon's groups and QK-Clip, a row and line per switch."""
+    momentum kept), new assigned matrices for Muon's groups and QK-Clip, a row and line per switch."""
     args, env = run.args, run.env
     new = run.auto.decide(step + 1, fields) if env.is_main else None
     if env.world_size > 1:
@@ -1219,16 +1177,16 @@ def auto_switch(run, step, fields):
     if not new:
         return
     run.auto.apply(new)
-    run.plan = matrix_plan(run.model, layer_assignments(args, run.auto))
-    switched = {name for name, *_ in run.plan if layer_of(name) in {s["layer"] for s in new}}
-    project_plan(run.plan, args, only=switched)
+    run.matrices = assigned_matrices(run.model, layer_assignments(args, run.auto))
+    switched = {name for name, *_ in run.matrices if layer_of(name) in {s["layer"] for s in new}}
+    project_matrices(run.matrices, args.dgram_cap, only=switched)
     if env.world_size > 1:  # bitwise-equal replicas whatever the SVD does on each rank
-        for name, p, *_ in run.plan:
+        for name, p, *_ in run.matrices:
             if name in switched:
                 dist.broadcast(p.data, src=0)
-    run.muon.reassign(muon_groups(run.plan, args.dgram_cap))
+    run.muon.reassign(muon_groups(run.matrices, args.dgram_cap))
     if run.qk_clip is not None:
-        run.qk_clip.replan(run.plan)
+        run.qk_clip.follow(run.matrices)
     for switch in new:
         run.say(f"step {step + 1:6d} | auto: layer {switch['layer']} attention -> stiefel ({switch['reason']})",
                 flush=True)
@@ -1246,7 +1204,7 @@ def check_divergence(run, step, record, evaluated):
     run.diverged = {"step": step + 1, "train_loss": run.train_loss, "lr": record.lr,
                     "grad_norm": float(record.grad_norm),
                     "param_max_abs": max(float(p.detach().abs().max()) for p in run.model.parameters()),
-                    "max_manifold_violation": max_violations(run.plan, run.args)}
+                    "max_manifold_violation": max_violations(run.matrices, run.args)}
     run.say(f"step {step + 1}: diverged (loss {worst:.4g}, best val {run.best_val:.4g}); "
             f"post-mortem checkpoint diverged_{step + 1:08d}.pt", file=sys.stderr, flush=True)
     save(run, step + 1, prefix="diverged")
@@ -1284,7 +1242,7 @@ def finish(run, status, write_failure, wall_s):
     of rank 0 (`write_failure`) raised again once the summary is written."""
     summary = {"status": status, "steps": run.steps_done, "tokens": run.steps_done * run.tokens_per_step,
                "final_val_loss": run.val_loss, "final_train_loss": run.train_loss,
-               "max_manifold_violation": max_violations(run.plan, run.args),
+               "max_manifold_violation": max_violations(run.matrices, run.args),
                "world_size": run.env.world_size, "diverged": run.diverged, "wall_s": wall_s,
                # a collective: not after a failed write, which only rank 0 met
                "replica_max_abs_diff": replica_max_abs_diff(run.model, run.env) if write_failure is None else None}

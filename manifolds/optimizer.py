@@ -446,7 +446,6 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     def _finish_bank(self, pieces, name, W, solution):
         """[new weight of each piece] (its own orientation) from their solution; keeps the warm start."""
-        manifold = pieces[0].manifold
         eta = per_matrix(W, [piece.group["lr"] for piece in pieces])
         if not self._geometry(pieces).constrained:  # plain Muon: weight decay, no retraction
             decay = per_matrix(W, [piece.group["weight_decay"] for piece in pieces])

@@ -50,13 +50,13 @@ from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold
 
 
 class Matrix(NamedTuple):
-    """One matrix ManifoldMuon steps: `pieces` [(label, row_lo, row_hi, manifold)] tile its rows
-    (one piece, or the q | k | v blocks of a split fused QKV). `key` is its role, or the pattern
+    """One matrix ManifoldMuon steps: `blocks` [(label, row_lo, row_hi, manifold)] tile its rows
+    (one block, or the q | k | v blocks of a split fused QKV; a group's "blocks" without labels). `key` is its role, or the pattern
     that chose it; `transposed`: stored (in, out), as transformers' Conv1D (module docstring)."""
     name: str
     param: torch.Tensor
     key: str
-    pieces: list
+    blocks: list
     transposed: bool = False
 
 
@@ -75,7 +75,7 @@ ROLE_PATHS = {
     "mlp.down_proj.weight": "mlp.proj",
 }
 ROLE_NAME = re.compile(r"(?:^|\.)(\d+)\.(" + "|".join(map(re.escape, ROLE_PATHS)) + r")$")
-# the plan lists roles in this order (the trainer's group and bank order follows it)
+# assigned_matrices lists roles in this order (the trainer's group and bank order follows it)
 ROLE_ORDER = ("attn.qkv",) + QKV_BLOCKS + MATRIX_KEYS[1:]
 PATTERN_EXAMPLE = "{'*.attn.c_attn.weight': 'stiefel', '*.mlp.*.weight': 'dgram'}"
 
@@ -95,9 +95,9 @@ def manifold_param_groups(model, spec, dgram_cap=1.0, adamw=None):
     "dgram-cap"; its groups carry it. Under torch.distributed, call it on every rank with the
     same weights: ManifoldMuon then solves each rank's share of the matrices and exchanges them.
     """
-    plan = matrix_plan(model, spec)
-    project_matrices(plan, dgram_cap)
-    groups = muon_groups(plan, dgram_cap)
+    matrices = assigned_matrices(model, spec)
+    project_matrices(matrices, dgram_cap)
+    groups = muon_groups(matrices, dgram_cap)
     chosen = {id(p) for group in groups for p in group["params"]}
     rest = [p for p in model.parameters() if id(p) not in chosen]
     if adamw is None or adamw is False:
@@ -110,11 +110,11 @@ def manifold_param_groups(model, spec, dgram_cap=1.0, adamw=None):
     return groups + [{"params": rest, "name": "adamw", **adamw, "algorithm": "adamw"}], []
 
 
-def matrix_plan(model, spec):
+def assigned_matrices(model, spec):
     """[Matrix] for `spec` (module docstring): role matrices in ROLE_ORDER then model order, or the
     pattern-matched matrices in model order."""
     conv1d = stored_transposed(model)
-    return [matrix._replace(transposed=matrix.name in conv1d) for matrix in plan_by_name(model, spec)]
+    return [matrix._replace(transposed=matrix.name in conv1d) for matrix in matrices_by_name(model, spec)]
 
 
 def stored_transposed(model):
@@ -126,12 +126,12 @@ def stored_transposed(model):
             if isinstance(module, pytorch_utils.Conv1D)}
 
 
-def plan_by_name(model, spec):
+def matrices_by_name(model, spec):
     if isinstance(spec, dict):
-        return pattern_plan(model, spec)
+        return pattern_matrices(model, spec)
     if isinstance(spec, str):
         assignment = parse_assignment(spec)
-        return role_plan(model, lambda layer: assignment, spec)
+        return role_matrices(model, lambda layer: assignment, spec)
     if not isinstance(spec, (list, tuple)):
         raise UserError(f"an assignment is a preset or role spec (str), a dict of patterns or a list of "
                         f"per-layer assignments; got {type(spec).__name__}")
@@ -141,7 +141,7 @@ def plan_by_name(model, spec):
         if layer >= len(layers):
             raise UserError(f"{len(layers)} per-layer assignments for a model with a layer {layer}")
         return layers[layer]
-    return role_plan(model, of_layer, "per-layer assignments")
+    return role_matrices(model, of_layer, "per-layer assignments")
 
 
 def find_roles(model):
@@ -154,36 +154,36 @@ def find_roles(model):
     return found
 
 
-def role_plan(model, assignment_of_layer, spec):
+def role_matrices(model, assignment_of_layer, spec):
     roles = find_roles(model)
     if not roles:
         raise UserError(f"role spec {spec!r}: {type(model).__name__} has none of the attention and MLP "
                         f"matrices it names (our GPT, transformers' GPT-2 and Llama-style names are known); "
                         f"pass a dict of glob patterns over parameter names to manifolds instead, "
                         f"e.g. {PATTERN_EXAMPLE}")
-    plan, served, wanted = [], set(), set()
+    matrices, served, wanted = [], set(), set()
     for name, p, role, layer in sorted(roles, key=lambda r: ROLE_ORDER.index(r[2])):
         assignment = assignment_of_layer(layer)
         wanted.update(key for key, manifold in assignment.items() if geometry(manifold).constrained)
         split = qkv_blocks(assignment)
         if role == "attn.qkv" and split is not None:
-            pieces = fused_qkv_blocks(name, p, split, spec)
+            blocks = fused_qkv_blocks(name, p, split, spec)
             served.update(QKV_BLOCKS)
         elif role == "attn.qkv" or role in QKV_BLOCKS:
             # a separate q, k or v matrix takes its block's manifold, or the fused value when not split
             key = role if split is not None else "attn.qkv"
-            pieces = [(name, 0, p.size(0), assignment[key])]
+            blocks = [(name, 0, p.size(0), assignment[key])]
             served.add(key)
         else:
-            pieces = [(name, 0, p.size(0), assignment[role])]
+            blocks = [(name, 0, p.size(0), assignment[role])]
             served.add(role)
-        plan.append(Matrix(name, p, role, pieces))
+        matrices.append(Matrix(name, p, role, blocks))
     missing = sorted(wanted - served, key=ROLE_ORDER.index)
     if missing:
         raise UserError(f"role spec {spec!r} assigns {', '.join(missing)}, which {type(model).__name__} does not "
                         f"have under a known name; pass a dict of glob patterns over parameter names to manifolds "
                         f"instead, e.g. {PATTERN_EXAMPLE}")
-    return plan
+    return matrices
 
 
 def fused_qkv_blocks(name, p, blocks, spec):
@@ -198,11 +198,11 @@ def fused_qkv_blocks(name, p, blocks, spec):
             for i, (block, manifold) in enumerate(blocks)]
 
 
-def pattern_plan(model, patterns):
+def pattern_matrices(model, patterns):
     for pattern, manifold in patterns.items():
         if manifold is not None and manifold not in MANIFOLDS:
             raise UserError(f"unknown manifold {manifold!r} for pattern {pattern!r}; valid: {', '.join(MANIFOLDS)}")
-    plan, matched = [], set()
+    matrices, matched = [], set()
     for name, p in model.named_parameters():
         hits = [(pattern, manifold) for pattern, manifold in patterns.items() if fnmatch.fnmatchcase(name, pattern)]
         matched.update(pattern for pattern, _ in hits)
@@ -214,26 +214,26 @@ def pattern_plan(model, patterns):
         if p.dim() != 2:
             raise UserError(f"pattern {pattern!r} matches {name} of shape {tuple(p.shape)}: ManifoldMuon takes "
                             f"2-D matrices (narrow the pattern, e.g. to end in .weight)")
-        plan.append(Matrix(name, p, pattern, [(name, 0, p.size(0), manifold)]))
+        matrices.append(Matrix(name, p, pattern, [(name, 0, p.size(0), manifold)]))
     unmatched = [pattern for pattern in patterns if pattern not in matched]
     if unmatched:
         raise UserError(f"pattern {unmatched[0]!r} matches no parameter of {type(model).__name__} "
                         f"(names look like {next(iter(dict(model.named_parameters())), '?')!r})")
-    return plan
+    return matrices
 
 
-def muon_groups(plan, dgram_cap=1.0):
+def muon_groups(matrices, dgram_cap=1.0):
     """ManifoldMuon groups: one per key and layout of manifolds (same-layout matrices of all layers
     together), named after its layout: "attn.qkv=stiefel", "attn.qkv=q:stiefel|k:stiefel|v:dgram",
     "<pattern>=dgram". Bank names in logs and statistics derive from these names."""
     groups = {}
-    for _, p, key, pieces, transposed in plan:
-        if len(pieces) == 1:
-            layout, extra = f"{key}={pieces[0][3]}", {"manifold": pieces[0][3]}
+    for _, p, key, blocks, transposed in matrices:
+        if len(blocks) == 1:
+            layout, extra = f"{key}={blocks[0][3]}", {"manifold": blocks[0][3]}
         else:
-            layout = f"{key}=" + "|".join(f"{label[-2]}:{m}" for label, _, _, m in pieces)
-            extra = {"blocks": [(lo, hi, m) for _, lo, hi, m in pieces]}
-        if any("dgram_cap" in geometry(m).options for *_, m in pieces):
+            layout = f"{key}=" + "|".join(f"{label[-2]}:{m}" for label, _, _, m in blocks)
+            extra = {"blocks": [(lo, hi, m) for _, lo, hi, m in blocks]}
+        if any("dgram_cap" in geometry(m).options for *_, m in blocks):
             extra["dgram_cap"] = dgram_cap
         if transposed:
             extra["transposed"] = True
@@ -242,14 +242,14 @@ def muon_groups(plan, dgram_cap=1.0):
 
 
 @torch.no_grad()
-def project_matrices(plan, dgram_cap=1.0, only=None):
-    """Project the plan's matrices (all, or those named in `only`) onto their manifolds in place
+def project_matrices(matrices, dgram_cap=1.0, only=None):
+    """Project these matrices (all, or those named in `only`) onto their manifolds in place
     (exact retraction, computed in fp32 and stored in the parameter's dtype). Frozen matrices
     (requires_grad False) are left as they are: ManifoldMuon projects them at their first step."""
-    for name, p, _, pieces, transposed in plan:
+    for name, p, _, blocks, transposed in matrices:
         if (only is not None and name not in only) or not p.requires_grad:
             continue
-        for _, lo, hi, manifold in pieces:
+        for _, lo, hi, manifold in blocks:
             if geometry(manifold).constrained:
                 p[lo:hi] = project_to_manifold(p[lo:hi].float(), manifold, dgram_cap, transposed)
 

@@ -10,6 +10,7 @@ its first lines and records it in config.json under "solver".
 
 How each default was chosen, with its evidence: docs/solver-tuning.md.
 """
+import math
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -70,6 +71,45 @@ class SolverOptions:
         if unknown:
             raise TypeError(f"unknown solver options {unknown}; valid: {names}")
         return cls(**kwargs)
+
+
+# --- SolverOptions values as text (the trainer's --solver-opt KEY=VALUE) ---------------------------
+
+def show_value(value):
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+def solver_value_kind(key, default):
+    """What --solver-opt KEY takes, from the type of KEY's default: "switch" (on/off) for a bool,
+    "auto-or-switch" for a field that defaults to "auto" without being typed str (capturable),
+    else the default's type name (int, float, str)."""
+    field_type = {f.name: f.type for f in fields(SolverOptions)}[key]
+    if isinstance(default, bool):
+        return "switch"
+    if default == "auto" and field_type not in (str, "str"):
+        return "auto-or-switch"
+    return type(default).__name__
+
+
+SOLVER_VALUE_TEXT = {"switch": "on or off", "auto-or-switch": "auto, on or off", "int": "a whole number",
+                     "float": "a finite number", "str": "a name"}
+SWITCH = {"on": True, "true": True, "off": False, "false": False}
+
+
+def parse_solver_value(kind, text):
+    """VALUE of --solver-opt KEY=VALUE for KEY's `kind` (solver_value_kind); None when it does not parse."""
+    word = text.strip().lower()
+    if kind == "switch":
+        return SWITCH.get(word)
+    if kind == "auto-or-switch":
+        return "auto" if word == "auto" else SWITCH.get(word)
+    if kind in ("int", "float"):
+        try:
+            value = int(text) if kind == "int" else float(text)
+        except ValueError:
+            return None
+        return value if math.isfinite(value) else None
+    return text
 
 
 @dataclass(frozen=True)

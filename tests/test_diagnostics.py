@@ -103,10 +103,10 @@ def test_matrix_stats_against_svd_and_the_manifolds():
     qkv = torch.randn(3 * n, n)
     fc = torch.linalg.qr(torch.randn(4 * n, n))[0] * torch.linspace(0.5, 3.0, n)  # DGram: Q diag(d)
     proj = torch.linalg.qr(torch.randn(4 * n, n))[0].T  # Stiefel, wide
-    plan = [("b.attn.c_attn.weight", qkv, "attn.qkv", [("b.attn.c_attn.weight", 0, 3 * n, "none")]),
+    matrices = [("b.attn.c_attn.weight", qkv, "attn.qkv", [("b.attn.c_attn.weight", 0, 3 * n, "none")]),
             ("b.mlp.c_fc.weight", fc, "mlp.fc", [("b.mlp.c_fc.weight", 0, 4 * n, "dgram")]),
             ("b.mlp.c_proj.weight", proj, "mlp.proj", [("b.mlp.c_proj.weight", 0, n, "stiefel")])]
-    stats = matrix_stats(plan)
+    stats = matrix_stats(matrices)
     for name, W in [("b.attn.c_attn.weight", qkv), ("b.attn.c_attn.weight[q]", qkv[:n]),
                     ("b.attn.c_attn.weight[k]", qkv[n:2 * n]), ("b.mlp.c_fc.weight", fc)]:
         sigma = torch.linalg.svdvals(W.double())

@@ -11,7 +11,7 @@ import train_gpt2
 from errors import UserError
 from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation
 from manifolds.assignment import parse_assignment
-from manifolds.param_groups import matrix_plan, muon_groups
+from manifolds.param_groups import assigned_matrices, muon_groups
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()  # the tiny vocabulary draws a warning about GPT-2's token ids
@@ -202,10 +202,10 @@ def test_per_layer_assignments_as_the_trainers_auto_switch_makes_them():
     model = our_gpt()
     base = parse_assignment("all-dgram")
     switched = {key: "stiefel" if key.startswith("attn.") else m for key, m in base.items()}
-    assert [g["name"] for g in muon_groups(matrix_plan(model, [switched, base]))] == \
+    assert [g["name"] for g in muon_groups(assigned_matrices(model, [switched, base]))] == \
         ["attn.qkv=stiefel", "attn.qkv=dgram", "attn.proj=stiefel", "attn.proj=dgram", "mlp.fc=dgram", "mlp.proj=dgram"]
     with pytest.raises(UserError, match="1 per-layer assignments for a model with a layer 1"):
-        matrix_plan(model, [base])
+        assigned_matrices(model, [base])
 
 
 def test_dgram_cap_groups_carry_their_cap():

@@ -5,12 +5,13 @@ import pytest
 import torch
 
 import train_gpt2
+from manifolds.plan import show_value, solver_value_kind
 from errors import UserError, run_cli
 from training.checkpoints import checkpoint_payload, restore
 
 BASE = ["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
 DEFAULTS = train_gpt2.solver_opt_defaults()
-INT_KEY = next(k for k, v in DEFAULTS.items() if train_gpt2.solver_value_kind(k, v) == "int")
+INT_KEY = next(k for k, v in DEFAULTS.items() if solver_value_kind(k, v) == "int")
 
 
 def build(*flags):
@@ -25,7 +26,7 @@ def build(*flags):
 def other_value(key, default):
     """(text, parsed) of a value of `key` other than its default that the solver accepts; None for
     a name (its valid names are the solver's business)."""
-    kind = train_gpt2.solver_value_kind(key, default)
+    kind = solver_value_kind(key, default)
     if kind == "switch":
         return ("off", False) if default else ("on", True)
     if kind == "auto-or-switch":
@@ -43,7 +44,7 @@ def test_help_lists_every_key_with_its_default_and_at_most_48_flags():
     assert len(flags) <= 48, [a.option_strings[0] for a in flags]
     text = " ".join(parser.format_help().split())  # argparse wraps lines
     for key, default in DEFAULTS.items():
-        assert f"{key}={train_gpt2.show_value(default)}" in text
+        assert f"{key}={show_value(default)}" in text
     assert set(DEFAULTS).isdisjoint(train_gpt2.SOLVER_FLAG_OPTIONS)
 
 

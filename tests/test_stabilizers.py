@@ -16,7 +16,7 @@ BASE = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", 
 
 
 def build(assign="unconstrained", *flags, scale=1.0, seed=0):
-    """(model, plan) of a tiny GPT whose weights are projected onto their manifolds, the
+    """(model, matrices) of a tiny GPT whose weights are projected onto their manifolds, the
     attention weights `scale` times their initial size (large logits)."""
     args = train_gpt2.parse_args(BASE + ["--assign", assign, *flags])
     train_gpt2.validate_args(args, world_size=1)
@@ -27,10 +27,10 @@ def build(assign="unconstrained", *flags, scale=1.0, seed=0):
     with torch.no_grad():
         for block in model.blocks:
             block.attn.c_attn.weight.mul_(scale)
-    plan = train_gpt2.matrix_plan(model, train_gpt2.layer_assignments(args, None))
+    matrices = train_gpt2.assigned_matrices(model, train_gpt2.layer_assignments(args, None))
     if assign != "unconstrained":
-        train_gpt2.project_plan(plan, args)
-    return model, plan, args
+        train_gpt2.project_matrices(matrices, args.dgram_cap)
+    return model, matrices, args
 
 
 def probe_logit_max(model, x):
@@ -88,10 +88,10 @@ def test_qk_norm_bounds_the_logits_by_sqrt_d_head():
 
 
 def clipped(assign, tau, scale=5.0):
-    """(logit maxima per layer before, after one QK-Clip step, the clip, model, plan). Layer 0
+    """(logit maxima per layer before, after one QK-Clip step, the clip, model, matrices). Layer 0
     sees the same input before and after; later layers see what the clipped layers made."""
-    model, plan, _ = build(assign, scale=scale)
-    clip = QKClip([b.attn for b in model.blocks], plan, tau)
+    model, matrices, _ = build(assign, scale=scale)
+    clip = QKClip([b.attn for b in model.blocks], matrices, tau)
     x = tokens(1)
     model.train()
     with torch.no_grad():
@@ -102,7 +102,7 @@ def clipped(assign, tau, scale=5.0):
     with torch.no_grad():
         model(x, x)
     after = torch.stack([b.attn.logit_max.clone() for b in model.blocks])
-    return before, after, clip, model, plan
+    return before, after, clip, model, matrices
 
 
 def test_qk_clip_rescales_the_heads_over_tau_plain_muon():
@@ -118,12 +118,12 @@ def test_qk_clip_rescales_the_heads_over_tau_plain_muon():
 
 
 def test_qk_clip_keeps_dgram_on_its_manifold_and_skips_stiefel():
-    before, after, clip, model, plan = clipped("all-dgram", tau=0.03, scale=1.0)
+    before, after, clip, model, matrices = clipped("all-dgram", tau=0.03, scale=1.0)
     assert (before[0] > 0.03).all()
     assert after[0].max() == pytest.approx(0.03, rel=1e-4)  # the layer's worst head sets the matrix's factor
     assert (after[0] < before[0]).all()  # every head of the layer scaled with it
-    for _, p, key, pieces, _ in plan:
-        for _, lo, hi, manifold in pieces:
+    for _, p, key, blocks, _ in matrices:
+        for _, lo, hi, manifold in blocks:
             assert manifold_violation(p.detach()[lo:hi], manifold) <= 1e-5
     before, after, clip, _, _ = clipped("all-stiefel", tau=0.05, scale=1.0)
     assert (before > 0.05).all()

@@ -159,10 +159,10 @@ def singular_values(matrices):
 
 
 @torch.no_grad()
-def matrix_stats(plan, dgram_cap=1.0):
+def matrix_stats(matrices, dgram_cap=1.0):
     """Singular values, manifold violation and DGram column norms of every Muon matrix.
 
-    `plan` is the trainer's [Matrix(parameter name, W, module key, [(label, row_lo, row_hi,
+    `matrices` is the trainer's [Matrix(parameter name, W, module key, [(label, row_lo, row_hi,
     manifold)], transposed=False)]: one piece per matrix, or the q | k | v row blocks of a split fused QKV. Every
     matrix gets its singular values; a fused QKV matrix (key "attn.qkv") also those of its q and
     k blocks (labelled name[q], name[k]), a split one those of all three. Violation and column
@@ -171,7 +171,7 @@ def matrix_stats(plan, dgram_cap=1.0):
     """
     pieces = []  # (name, matrix) whose singular values are reported
     out = {"sigma_max": {}, "sigma_min": {}, "manifold_violation": {}, "col_norm_min": {}, "col_norm_max": {}}
-    for name, W, key, blocks, transposed in (Matrix(*matrix) for matrix in plan):
+    for name, W, key, blocks, transposed in (Matrix(*matrix) for matrix in matrices):
         W = W.detach()
         pieces.append((name, W))
         if key == "attn.qkv":

@@ -36,16 +36,16 @@ def scaling(manifold):
 
 
 class QKClip:
-    def __init__(self, attentions, plan, tau, distributed=False):
-        """attentions: the layers' CausalSelfAttention modules; plan: train_gpt2.matrix_plan's
-        [(name, param, key, pieces)] (its attn.qkv entries give each layer's pieces and their
+    def __init__(self, attentions, matrices, tau, distributed=False):
+        """attentions: the layers' CausalSelfAttention modules; matrices: manifolds.param_groups'
+        assigned_matrices [Matrix] (its attn.qkv entries give each layer's blocks and their
         manifolds, in layer order)."""
         if tau <= 0:
             raise ValueError(f"QK-Clip needs tau > 0, got {tau}")
         self.attentions = list(attentions)
         self.tau = tau
         self.distributed = distributed
-        self.replan(plan)
+        self.follow(matrices)
         device = self.layers[0][0].device
         n_head = self.attentions[0].n_head
         self.heads_clipped = torch.zeros(len(self.layers), n_head, dtype=torch.int64, device=device)
@@ -55,9 +55,9 @@ class QKClip:
             attention.track_logits = True
             attention.logit_max.fill_(-float("inf"))
 
-    def replan(self, plan):
-        """Follow a new plan (--assign auto's switches change the attention's manifolds)."""
-        self.layers = [(param, pieces) for _, param, key, pieces, _ in plan if key == "attn.qkv"]
+    def follow(self, matrices):
+        """Follow new assigned matrices (--assign auto's switches change the attention's manifolds)."""
+        self.layers = [(param, blocks) for _, param, key, blocks, _ in matrices if key == "attn.qkv"]
         if len(self.layers) != len(self.attentions):
             raise ValueError("QK-Clip: one fused QKV matrix per attention layer expected")
 
@@ -69,15 +69,15 @@ class QKClip:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         over = maxima > self.tau
         gamma = torch.where(over, self.tau / maxima.clamp_min(self.tau), torch.ones_like(maxima))
-        for layer, ((param, pieces), attention) in enumerate(zip(self.layers, self.attentions)):
-            self._scale(param.data, pieces, gamma[layer], over[layer], attention.d_head, layer)
+        for layer, ((param, blocks), attention) in enumerate(zip(self.layers, self.attentions)):
+            self._scale(param.data, blocks, gamma[layer], over[layer], attention.d_head, layer)
             attention.logit_max.fill_(-float("inf"))
         self.heads_clipped += over
         self.events += over.any()
 
-    def _scale(self, W, pieces, gamma, over, d_head, layer):
+    def _scale(self, W, blocks, gamma, over, d_head, layer):
         C = W.size(0) // 3
-        sides = [(lo, hi, manifold) for _, lo, hi, manifold in pieces if lo < 2 * C]  # pieces holding q or k rows
+        sides = [(lo, hi, manifold) for _, lo, hi, manifold in blocks if lo < 2 * C]  # blocks holding q or k rows
         scalable = sum(1 for lo, hi, manifold in sides for side in ("q", "k")
                        if scaling(manifold) and _holds(lo, hi, side, C))
         if scalable == 0:
