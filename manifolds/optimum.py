@@ -9,7 +9,7 @@ weak duality: for any N in the normal space, <G, A> <= ||G - N||_* for every fea
 """
 import torch
 
-from manifolds.geometry import geometry
+from manifolds.geometry import geometry, project_to_manifold
 from manifolds.reference import spectral_clip
 
 
@@ -86,7 +86,6 @@ def random_point(shape, manifold, seed, spread=0.3):
     tall = W.mT if shape[-2] < shape[-1] else W
     tall = tall * torch.exp(spread * torch.randn(tall.size(-1), generator=g, dtype=torch.float64))
     W = tall.mT if shape[-2] < shape[-1] else tall
-    from manifolds import project_to_manifold
     W = project_to_manifold(W, manifold)
     G = torch.randn(shape, generator=g, dtype=torch.float64)
     return W.float(), G.float()
