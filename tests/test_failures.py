@@ -51,10 +51,12 @@ def test_changed_bytes_inside_the_newest_checkpoint_are_detected_and_skipped(dat
     assert os.path.getsize(newest) == size
     with pytest.raises(ValueError, match="corrupt checkpoint"):
         checkpoints.load_checkpoint(str(newest))
-    result = run(data_dir, tmp_path, "--resume", "auto")
+    result = run(data_dir, tmp_path, "--resume", "auto", "--log-every", "1")
     assert result.returncode == 0, result.stderr
     assert "skipping" in result.stdout and "corrupt checkpoint" in result.stdout
     assert "resuming from" in result.stdout and before.name in result.stdout
+    # a restart from step 1 reproduces the same losses: only the process's own lines tell it resumed
+    assert_resumed(result, int(before.name[5:13]))
     assert train_losses(tmp_path) == train_losses(straight)  # bitwise, from the one before on
     # --resume PATH of a corrupt file is an error, not a silent load
     checkpoints.save_atomic({"format": "manifold-muon-ckpt-1"}, str(tmp_path / "other.pt"))
