@@ -69,6 +69,32 @@ def test_changed_bytes_inside_the_newest_checkpoint_are_detected_and_skipped(dat
     assert "corrupt checkpoint" in one_error_line(result)
 
 
+def test_a_valid_checkpoint_rewritten_with_other_content_is_caught_by_its_manifest_alone(data_dir, straight,
+                                                                                        tmp_path):
+    """A checkpoint replaced by another complete torch.save file (a weight changed, every zip CRC
+    consistent): the CRC check and torch.load pass, so only the SHA-256 manifest can refuse it."""
+    for name in os.listdir(straight):  # a copy of the finished run: checkpoints 28 and 30
+        (tmp_path / name).write_bytes((straight / name).read_bytes())
+    newest = tmp_path / "ckpt_00000030.pt"
+    payload = torch.load(newest, map_location="cpu", weights_only=True)
+    payload["model"]["wte.weight"][0, 0] += 1.0
+    with open(newest, "wb") as f:
+        checkpoints.save_with_crc32(payload, f)
+    checkpoints.verify_records(str(newest))  # the CRCs hold: the zip check alone would load it
+    assert torch.load(newest, map_location="cpu", weights_only=True)["format"] == checkpoints.FORMAT
+    with pytest.raises(ValueError, match=r"ckpt_00000030\.pt: corrupt checkpoint \(SHA-256 .* differs"):
+        checkpoints.load_checkpoint(str(newest))
+    result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path / "r"), *RUN,
+                                    "--resume", str(newest)), capture_output=True, text=True, timeout=120, env=ENV)
+    line = one_error_line(result)
+    assert "corrupt checkpoint (SHA-256" in line and str(newest) in line
+    result = run(data_dir, tmp_path, "--resume", "auto", "--log-every", "1")
+    assert result.returncode == 0, result.stderr
+    assert f"skipping {newest}: corrupt checkpoint (SHA-256" in result.stdout
+    assert_resumed(result, 28)  # the one before, then steps 29 and 30 again
+    assert train_losses(tmp_path) == train_losses(straight)
+
+
 def test_the_manifest_is_sha256sum_format():
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ckpt_{os.getpid():08d}.pt")
     digest = checkpoints.save_atomic({"format": "manifold-muon-ckpt-1", "x": torch.arange(10)}, path)
