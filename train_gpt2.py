@@ -1229,7 +1229,8 @@ def save(run, steps_done, prefix="ckpt"):
             state["qk_clip"] = run.qk_clip.state_dict()
         try:
             if prefix == "ckpt":
-                save_checkpoint(state, run.args.out_dir, steps_done, run.args.keep_ckpts)
+                save_checkpoint(state, run.args.out_dir, steps_done, run.args.keep_ckpts,
+                                injected_write_fault(steps_done))
             else:
                 save_atomic(state, checkpoint_path(run.args.out_dir, steps_done, prefix))
         except WriteError as err:
@@ -1318,6 +1319,26 @@ def injected_fault(run, step):
     if (at is not None and step + 1 == int(at) and run.env.rank == int(os.environ.get("MMUON_FAULT_RANK", "0"))
             and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def injected_write_fault(steps_done):
+    """Fault injection for tests only, off unless the environment asks (tests/test_elastic.py):
+    with MMUON_FAULT_IN_CKPT=N, the process writing checkpoint N (rank 0) kills itself with
+    SIGKILL once FAULT_WRITE_BYTES of it are written, its file flushed to that point: a crash in
+    the middle of a checkpoint write. First torchrun attempt only, as injected_fault. Returns the
+    HashingWriter's after_write callback, or None."""
+    at = os.environ.get("MMUON_FAULT_IN_CKPT")
+    if at is None or steps_done != int(at) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+
+    def die_partway(writer):
+        if writer.size >= FAULT_WRITE_BYTES:
+            writer.file.flush()  # the part written so far reaches the file, as a crash would leave it
+            os.kill(os.getpid(), signal.SIGKILL)
+    return die_partway
+
+
+FAULT_WRITE_BYTES = 64 * 1024  # a tiny test model's checkpoint is a few hundred KiB
 
 
 def check_wandb_login(args):

@@ -2,10 +2,13 @@
 torchrun --max-restarts (the job restarts itself with the same command line and ends as if
 uninterrupted), and a write error on rank 0 (every rank stops at once with rank 0's message).
 
-The kill is injected by the trainer's test-only hook, read from the environment and absent from
+The kill is injected by the trainer's test-only hooks, read from the environment and absent from
 --help: MMUON_FAULT_STEP=N and MMUON_FAULT_RANK=r make rank r SIGKILL itself right after step N,
-in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT 0). The write error is real: the
-checkpoint's temporary file is a link to /dev/full, whose writes fail with ENOSPC.
+and MMUON_FAULT_IN_CKPT=N makes rank 0 SIGKILL itself partway through writing checkpoint N
+(64 KiB of it flushed to its file), in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT 0).
+Killed: rank 1, rank 0 (which holds the run's lock and writes the metrics and the checkpoints),
+and rank 0 inside a checkpoint write. The write error is real: the checkpoint's temporary file
+is a link to /dev/full, whose writes fail with ENOSPC.
 """
 import json
 import os
@@ -40,29 +43,67 @@ def final_weights(out_dir):
     return torch.load(os.path.join(out_dir, "ckpt_00000030.pt"), weights_only=True)["model"]
 
 
-def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_ends_as_if_uninterrupted(data_dir, tmp_path):
-    choose = random.Random(SEED)
-    fault_step, fault_rank = choose.randint(5, 27), choose.randrange(2)
-    straight = torchrun(data_dir, tmp_path / "straight")
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    # the command line a launcher repeats: --resume auto from the first start on
-    faulted = torchrun(data_dir, tmp_path / "faulted", "--resume", "auto", "--log-every", "1", restarts=1,
-                       env={**ENV, "MMUON_FAULT_STEP": str(fault_step), "MMUON_FAULT_RANK": str(fault_rank)})
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    """The uninterrupted two-rank run every faulted one must end as, bit for bit."""
+    out = tmp_path_factory.mktemp("straight")
+    result = torchrun(data_dir, out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def faulted_run(data_dir, out_dir, **fault):
+    """The command line a launcher repeats (--resume auto from the first start on) under torchrun
+    --max-restarts 1, with `fault` (environment variables) injected in its first attempt."""
+    return torchrun(data_dir, out_dir, "--resume", "auto", "--log-every", "1", restarts=1, env={**ENV, **fault})
+
+
+def assert_ends_as_straight(faulted, out_dir, straight, last_logged, checkpoint):
+    """The first attempt started afresh and logged steps up to `last_logged` at least; the
+    second resumed from ckpt `checkpoint` and trained only the steps after it (the first
+    attempt's rows past that checkpoint dropped); losses, val losses and final weights are the
+    straight run's, bitwise."""
     assert faulted.returncode == 0, faulted.stdout[-3000:] + faulted.stderr[-3000:]
-    # the second attempt resumed from the last checkpoint before the kill (every 4 steps) and
-    # trained only the steps after it; the first attempt's rows past that checkpoint were dropped
-    checkpoint = 4 * ((fault_step - 1) // 4)
+    assert faulted.stdout.count("resuming from ") == 1, faulted.stdout
     first, second = faulted.stdout.split("resuming from ")
-    assert "starting afresh" in first and f"step {fault_step - 1:6d}/30" in first, faulted.stdout
+    assert "starting afresh" in first and f"step {last_logged:6d}/30" in first, faulted.stdout
     assert resumed_steps(subprocess.CompletedProcess([], 0, "resuming from " + second)) == \
         (checkpoint, list(range(checkpoint + 1, 31))), faulted.stdout
-    assert f"resuming from {tmp_path / 'faulted' / f'ckpt_{checkpoint:08d}.pt'} at step {checkpoint}" in faulted.stdout
-    assert train_losses(tmp_path / "faulted") == train_losses(tmp_path / "straight")  # each step once, same bits
-    val = [(r["step"], r["val_loss"]) for r in rows(tmp_path / "faulted") if "val_loss" in r]
-    assert val == [(r["step"], r["val_loss"]) for r in rows(tmp_path / "straight") if "val_loss" in r]
-    ours, theirs = final_weights(tmp_path / "faulted"), final_weights(tmp_path / "straight")
+    assert f"resuming from {out_dir / f'ckpt_{checkpoint:08d}.pt'} at step {checkpoint}" in faulted.stdout
+    assert train_losses(out_dir) == train_losses(straight)  # each step once, same bits
+    val = [(r["step"], r["val_loss"]) for r in rows(out_dir) if "val_loss" in r]
+    assert val == [(r["step"], r["val_loss"]) for r in rows(straight) if "val_loss" in r]
+    ours, theirs = final_weights(out_dir), final_weights(straight)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert json.load(open(tmp_path / "faulted" / "summary.json"))["status"] == "completed"
+    assert json.load(open(out_dir / "summary.json"))["status"] == "completed"
+
+
+def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_ends_as_if_uninterrupted(data_dir, straight, tmp_path):
+    choose = random.Random(SEED)
+    fault_step, fault_rank = choose.randint(5, 27), choose.randrange(2)  # step 11, rank 1
+    faulted = faulted_run(data_dir, tmp_path, MMUON_FAULT_STEP=str(fault_step), MMUON_FAULT_RANK=str(fault_rank))
+    # resumed from the last checkpoint before the kill (every 4 steps)
+    assert_ends_as_straight(faulted, tmp_path, straight, fault_step - 1, 4 * ((fault_step - 1) // 4))
+
+
+def test_rank_0_killed_mid_run_is_restarted_and_ends_as_if_uninterrupted(data_dir, straight, tmp_path):
+    # rank 0 dies holding run.lock, with rows past the last checkpoint in metrics.jsonl
+    faulted = faulted_run(data_dir, tmp_path, MMUON_FAULT_STEP="18", MMUON_FAULT_RANK="0")
+    assert_ends_as_straight(faulted, tmp_path, straight, 17, 16)
+    assert f"step {18:6d}/30" not in faulted.stdout.split("resuming from ")[0]  # the logging rank died first
+
+
+def test_rank_0_killed_inside_a_checkpoint_write_leaves_no_partial_checkpoint(data_dir, straight, tmp_path):
+    """Killed with 64 KiB of checkpoint 12 written: the atomic write leaves them in
+    ckpt_00000012.pt.tmp, never under the checkpoint's name, so the restart removes that file and
+    resumes from checkpoint 8 without meeting a partial checkpoint (no "skipping" line)."""
+    faulted = faulted_run(data_dir, tmp_path, MMUON_FAULT_IN_CKPT="12")
+    assert "removed 1 temporary file(s) of an unfinished write: ckpt_00000012.pt.tmp" in faulted.stdout, \
+        faulted.stdout
+    assert "skipping" not in faulted.stdout, faulted.stdout
+    assert f"step {13:6d}/30" not in faulted.stdout.split("resuming from ")[0]  # it died in the write
+    assert_ends_as_straight(faulted, tmp_path, straight, 12, 8)
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def free_port():

@@ -51,10 +51,12 @@ def test_changed_bytes_inside_the_newest_checkpoint_are_detected_and_skipped(dat
     assert os.path.getsize(newest) == size
     with pytest.raises(ValueError, match="corrupt checkpoint"):
         checkpoints.load_checkpoint(str(newest))
-    result = run(data_dir, tmp_path, "--resume", "auto")
+    result = run(data_dir, tmp_path, "--resume", "auto", "--log-every", "1")
     assert result.returncode == 0, result.stderr
     assert "skipping" in result.stdout and "corrupt checkpoint" in result.stdout
     assert "resuming from" in result.stdout and before.name in result.stdout
+    # a restart from step 1 reproduces the same losses: only the process's own lines tell it resumed
+    assert_resumed(result, int(before.name[5:13]))
     assert train_losses(tmp_path) == train_losses(straight)  # bitwise, from the one before on
     # --resume PATH of a corrupt file is an error, not a silent load
     checkpoints.save_atomic({"format": "manifold-muon-ckpt-1"}, str(tmp_path / "other.pt"))
@@ -65,6 +67,32 @@ def test_changed_bytes_inside_the_newest_checkpoint_are_detected_and_skipped(dat
                                     "--resume", str(tmp_path / "other.pt")), capture_output=True, text=True,
                             timeout=120, env=ENV)
     assert "corrupt checkpoint" in one_error_line(result)
+
+
+def test_a_valid_checkpoint_rewritten_with_other_content_is_caught_by_its_manifest_alone(data_dir, straight,
+                                                                                        tmp_path):
+    """A checkpoint replaced by another complete torch.save file (a weight changed, every zip CRC
+    consistent): the CRC check and torch.load pass, so only the SHA-256 manifest can refuse it."""
+    for name in os.listdir(straight):  # a copy of the finished run: checkpoints 28 and 30
+        (tmp_path / name).write_bytes((straight / name).read_bytes())
+    newest = tmp_path / "ckpt_00000030.pt"
+    payload = torch.load(newest, map_location="cpu", weights_only=True)
+    payload["model"]["wte.weight"][0, 0] += 1.0
+    with open(newest, "wb") as f:
+        checkpoints.save_with_crc32(payload, f)
+    checkpoints.verify_records(str(newest))  # the CRCs hold: the zip check alone would load it
+    assert torch.load(newest, map_location="cpu", weights_only=True)["format"] == checkpoints.FORMAT
+    with pytest.raises(ValueError, match=r"ckpt_00000030\.pt: corrupt checkpoint \(SHA-256 .* differs"):
+        checkpoints.load_checkpoint(str(newest))
+    result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path / "r"), *RUN,
+                                    "--resume", str(newest)), capture_output=True, text=True, timeout=120, env=ENV)
+    line = one_error_line(result)
+    assert "corrupt checkpoint (SHA-256" in line and str(newest) in line
+    result = run(data_dir, tmp_path, "--resume", "auto", "--log-every", "1")
+    assert result.returncode == 0, result.stderr
+    assert f"skipping {newest}: corrupt checkpoint (SHA-256" in result.stdout
+    assert_resumed(result, 28)  # the one before, then steps 29 and 30 again
+    assert train_losses(tmp_path) == train_losses(straight)
 
 
 def test_the_manifest_is_sha256sum_format():

@@ -60,7 +60,12 @@ def fsync_dir(path):
 
 
 class HashingWriter(io.RawIOBase):
-    """A write-only file that updates a SHA-256 with every byte it passes to `file`."""
+    """A write-only file that updates a SHA-256 with every byte it passes to `file`.
+
+    `after_write`, None but in tests, is called with the writer after each write: the trainer's
+    fault injection (train_gpt2.injected_write_fault) kills the process there, mid-checkpoint."""
+
+    after_write = None
 
     def __init__(self, file):
         self.file, self.sha256, self.size = file, hashlib.sha256(), 0
@@ -77,6 +82,8 @@ class HashingWriter(io.RawIOBase):
             raise
         self.sha256.update(memoryview(data)[:written])
         self.size += written
+        if self.after_write is not None:
+            self.after_write(self)
         return written
 
 
@@ -101,13 +108,15 @@ def save_with_crc32(payload, file):
         torch.serialization.set_crc32_options(before)
 
 
-def save_atomic(payload, path):
+def save_atomic(payload, path, after_write=None):
     """torch.save `payload` to `path` with its manifest; returns the SHA-256 (hex).
-    On an OSError (ENOSPC, EDQUOT, EIO, ...) the temporary files go and WriteError is raised."""
+    On an OSError (ENOSPC, EDQUOT, EIO, ...) the temporary files go and WriteError is raised.
+    `after_write`: tests only (HashingWriter)."""
     tmp, writer = f"{path}.tmp", None
     try:
         with open(tmp, "wb") as f:
             writer = HashingWriter(f)
+            writer.after_write = after_write
             save_with_crc32(payload, writer)
             f.flush()
             os.fsync(f.fileno())
@@ -143,10 +152,11 @@ def remove_checkpoint(path):
             os.remove(name)
 
 
-def save_checkpoint(payload, out_dir, step, keep):
-    """Write ckpt_<step>.pt atomically, then delete all but the newest `keep` (and stray manifests)."""
+def save_checkpoint(payload, out_dir, step, keep, after_write=None):
+    """Write ckpt_<step>.pt atomically, then delete all but the newest `keep` (and stray manifests).
+    `after_write`: tests only (HashingWriter)."""
     path = checkpoint_path(out_dir, step)
-    save_atomic(payload, path)
+    save_atomic(payload, path, after_write)
     for old in list_checkpoints(out_dir)[keep:]:
         remove_checkpoint(old)
     for manifest in glob.glob(os.path.join(out_dir, "ckpt_*.pt" + MANIFEST)):
