@@ -206,14 +206,14 @@ class ManifoldMuon(torch.optim.Optimizer):
     def _project_onto_manifolds(self, group, p):
         """Project p's matrices that are off their manifold (violation > on_manifold_tol, checked
         in fp32 on their device) onto it; those on it are left bitwise as they are."""
+        cap, transposed = group.get("dgram_cap", 1.0), bool(group.get("transposed", False))
         for lo, hi, manifold in self._blocks(group, p):
-            if not geometry(manifold).constrained:
+            geo, block = geometry(manifold, cap), p[lo:hi]
+            if not geo.constrained:
                 continue
-            block, transposed = p[lo:hi], bool(group.get("transposed", False))
-            geo = geometry(manifold, group.get("dgram_cap", 1.0))
             violation = geo.violation(tall(block.float(), transposed))
             if not bool(violation <= on_manifold_tol(p.dtype)):  # NaN too: projected
-                block.copy_(project_to_manifold(block.float(), manifold, group.get("dgram_cap", 1.0), transposed))
+                block.copy_(project_to_manifold(block.float(), manifold, cap, transposed))
 
     def _project_unfrozen(self):
         """Matrices added frozen that have a gradient now: onto their manifolds before their first step."""
@@ -221,9 +221,10 @@ class ManifoldMuon(torch.optim.Optimizer):
         if not unfrozen:
             return
         self._unprojected = [p for p in self._unprojected if p.grad is None]
-        for group in self.param_groups:
+        unfrozen = {id(p) for p in unfrozen}
+        for group in self.param_groups:  # only manifold groups put matrices in _unprojected
             for p in group["params"]:
-                if any(p is q for q in unfrozen) and group.get("algorithm") != "adamw":
+                if id(p) in unfrozen:
                     self._project_onto_manifolds(group, p)
 
     @staticmethod
