@@ -4,7 +4,7 @@ One step, for every parameter W with gradient g (group options lr = eta, momentu
 
     buf <- mu buf + g;   G = g + mu buf  (Nesterov)  or  G = buf
     none:      W <- (1 - eta wd) W - eta msign(G)                  (plain Muon)
-    manifold:  A = steepest_direction(W, G)   (tangent, ||A||_op = 1)
+    manifold:  A = steepest_direction(W, G)   (tangent, ||A||_op <= 1, within ~1e-3)
                W <- R(W - eta A)                                  (retraction, fp32)
 
 `lr` is the spectral norm of the step on every group: no extra shape factor. Weight decay

@@ -25,7 +25,8 @@ SOLVERS = ("fast", "reference")
 
 # Fixed budgets (not settings: no experiment moves them)
 MUON_STEPS = (5, 2)  # plain Muon's msign: Polar Express steps, then Newton-Schulz polish steps
-NORM_ITERS = 8       # power steps (on S^32) of the final spectral renormalisation
+NORM_ITERS = 8       # power steps (on S^32) of the penalty's ||Proj_T G||_op estimate
+NORM_SQUARINGS = 10  # squarings (S^1024) of the final renormalisation's bound on ||A||_op
 CHECK_EVERY = 2      # ADMM iterations between convergence checks (host syncs) when not capturable
 RHO_MAX = 10.0       # the warm penalty's growth stops here (relative to ||Proj_T G||_op)
 
@@ -140,7 +141,8 @@ class SolverPlan:
         record = asdict(self)
         record["options"] = asdict(self.options)
         record["exact_sign"] = list(self.exact_sign)
-        record["fixed"] = {"muon_steps": list(MUON_STEPS), "norm_iters": NORM_ITERS, "check_every": CHECK_EVERY,
+        record["fixed"] = {"muon_steps": list(MUON_STEPS), "norm_iters": NORM_ITERS,
+                           "norm_squarings": NORM_SQUARINGS, "check_every": CHECK_EVERY,
                            "rho_max": RHO_MAX}
         return record
 

@@ -84,7 +84,7 @@ def test_bf16_iterations_end_in_an_fp32_feasible_direction():
         A = solve_tall(W[None], G[None], geo, None, plan_for(SolverOptions(precision="bf16"), "cpu")).A[0]
         assert A.dtype == torch.float32
         assert geo.tangent_residual(W.double(), A.double()).abs().max() <= 1e-5
-        assert abs(torch.linalg.matrix_norm(A.double(), 2) - 1) <= 3e-3  # the power-iteration estimate, as in fp32
+        assert 1 - 2e-3 <= torch.linalg.matrix_norm(A.double(), 2) <= 1 + 1e-3  # A / (a bound on it), as in fp32
         exact = solve_tall(W[None], G[None], geo, None, plan_for(SolverOptions(), "cpu")).A[0]
         assert (A * exact).sum() / (exact * exact).sum() > 0.9  # bf16 rounding, not another answer
     with pytest.raises(ValueError, match="unknown solver precision"):

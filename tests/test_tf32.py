@@ -74,7 +74,7 @@ def test_tf32_iterations_end_in_an_fp32_feasible_direction(manifold):
         precision=precision, clip="polynomial", capturable=True)).A[0]
     A, exact = solve("tf32"), solve("fp32")
     assert geometry(manifold).tangent_residual(W[0].double(), A.double()).abs().max() <= 1e-5
-    assert abs(torch.linalg.matrix_norm(A.double(), 2) - 1) <= 3e-3  # the power-iteration estimate, as in fp32
+    assert 1 - 2e-3 <= torch.linalg.matrix_norm(A.double(), 2) <= 1 + 1e-3  # A / (a bound on it), as in fp32
     # the iterations did run at TF32 (the answers differ by more than fp32 rounding) and reach
     # the same direction
     gap = ((A - exact).norm() / exact.norm()).item()
@@ -97,10 +97,13 @@ def test_square_stiefel_exact_step_at_tf32_is_the_fp32_answer():
         precision=precision, capturable=True)).A[0].double()
     A, exact = solve("tf32"), solve("fp32")
     assert geometry("stiefel").tangent_residual(W[0].double(), A).abs().max() <= 1e-6
-    assert abs(torch.linalg.matrix_norm(A, 2) - 1) <= 1e-3
+    # both divided by a bound on their norm (dual.finalize_banks), whose slack differs a little
+    # (here 4e-4 in fp32, 7e-4 from the TF32 Gram): the objective is compared per unit norm
+    norm, exact_norm = torch.linalg.matrix_norm(A, 2), torch.linalg.matrix_norm(exact, 2)
+    assert 1 - 1e-3 <= norm <= 1 + 1e-4 and 1 - 1e-3 <= exact_norm <= 1 + 1e-4
     assert 1e-6 < ((A - exact).norm() / exact.norm()).item()  # it did run at TF32
     G0 = G[0].double()
-    assert (G0 * A).sum() >= (1 - 1e-4) * (G0 * exact).sum()  # 5 steps for [0.005, 1]: -2e-4
+    assert (G0 * A).sum() / norm >= (1 - 1e-4) * (G0 * exact).sum() / exact_norm  # 5 steps for [0.005, 1]: -2e-4
 
 
 def record_msign_dtypes(monkeypatch):
