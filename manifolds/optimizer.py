@@ -51,9 +51,10 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adamw import adamw
 
-from manifolds import reference
+from manifolds import reference, sharded
 from manifolds.dual import solve_tall_banks
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
+from manifolds.sharded import ShardedStep, is_sharded, local, shard_layout
 from manifolds.plan import SolverOptions, plan_for
 from manifolds.work import piece_cost
 
@@ -167,6 +168,8 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
         self.last_stats = {}
+        for group in self.param_groups:
+            self._init_sharded_state(group)
 
     # what torch.optim.Optimizer pickles (defaults, state, param_groups), and the rest of ours, so
     # that copy.deepcopy and pickle give a working optimizer
@@ -186,6 +189,8 @@ class ManifoldMuon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if algorithm == "adamw":
+            if hasattr(self, "plan"):  # at construction: once the plan is known (__init__)
+                self._init_sharded_state(group)
             return
         for p in group["params"]:
             if p.dim() != 2:
@@ -195,25 +200,52 @@ class ManifoldMuon(torch.optim.Optimizer):
             if manifold not in MANIFOLDS:
                 raise ValueError(f"unknown manifold {manifold!r}; valid: {sorted(MANIFOLDS)}")
         for p in group["params"]:
+            if is_sharded(p):
+                shard_layout(p)  # a layout the exchange cannot handle fails here, not in a step
             if p.is_meta or is_fake(p):  # no values (meta device, FakeTensorMode): nothing to project
                 continue
             if p.requires_grad:
                 self._project_onto_manifolds(group, p)
             else:  # frozen: left as it is; projected at the first step that gives it a gradient
                 self._unprojected.append(p)
+        if hasattr(self, "plan"):
+            self._init_sharded_state(group)
+
+    def _init_sharded_state(self, group):
+        """The state of a group's sharded parameters, created now: every rank has the same keys
+        before the first step, as torch.distributed.checkpoint's get_state_dict needs."""
+        if group.get("algorithm") == "adamw":
+            for p in group["params"]:
+                if is_sharded(p):
+                    self._adamw_state(p)
+            return
+        sharded.init_sharded_state(self, group, [piece for piece in self.pieces() if piece.group is group])
 
     @torch.no_grad()
     def _project_onto_manifolds(self, group, p):
         """Project p's matrices that are off their manifold (violation > on_manifold_tol, checked
         in fp32 on their device) onto it; those on it are left bitwise as they are."""
         cap, transposed = group.get("dgram_cap", 1.0), bool(group.get("transposed", False))
-        for lo, hi, manifold in self._blocks(group, p):
-            geo, block = geometry(manifold, cap), p[lo:hi]
+        blocks = self._blocks(group, p)
+        manifolds = {lo: manifold for lo, _, manifold in blocks}
+
+        def projected(lo, hi, block):
+            """The block projected onto its manifold, or None where it is on it."""
+            geo = geometry(manifolds[lo], cap)
             if not geo.constrained:
-                continue
+                return None
             violation = geo.violation(tall(block.float(), transposed))
-            if not bool(violation <= on_manifold_tol(p.dtype)):  # NaN too: projected
-                block.copy_(project_to_manifold(block.float(), manifold, cap, transposed))
+            if bool(violation <= on_manifold_tol(p.dtype)):  # NaN: projected
+                return None
+            return project_to_manifold(block.float(), manifolds[lo], cap, transposed)
+
+        if is_sharded(p):  # gathered once, here: the whole matrix decides
+            sharded.project_sharded(p, blocks, projected)
+            return
+        for lo, hi, _ in blocks:
+            new = projected(lo, hi, p[lo:hi])
+            if new is not None:
+                p[lo:hi].copy_(new)
 
     def _project_unfrozen(self):
         """Matrices added frozen that have a gradient now: onto their manifolds before their first step."""
@@ -261,14 +293,15 @@ class ManifoldMuon(torch.optim.Optimizer):
         yield from by_key.items()
 
     def owners(self):
-        """{piece.key: rank} for every piece: the rank that computes its step (balanced_owners)."""
-        pieces = list(self.pieces())
+        """{piece.key: rank} for every piece of a replicated parameter: the rank that computes its
+        step (balanced_owners). Sharded parameters' owners are their shard group's (sharded.py)."""
+        pieces = [piece for piece in self.pieces() if not is_sharded(piece.param)]
         owners = balanced_owners([piece_cost(piece, self.plan) for piece in pieces], self.world_size)
         return {piece.key: rank for piece, rank in zip(pieces, owners)}
 
     def owned_pieces(self):
         owners = self.owners()
-        return [piece for _, pieces in self.banks() for piece in pieces if owners[piece.key] == self.rank]
+        return [piece for _, pieces in self.banks() for piece in pieces if owners.get(piece.key) == self.rank]
 
     def owned(self):
         """Parameters whose momentum this rank keeps (it owns at least one of their pieces)."""
@@ -304,12 +337,20 @@ class ManifoldMuon(torch.optim.Optimizer):
         self._step_adamw_groups()
         self.last_stats = {}
         owners = self.owners() if self.world_size > 1 else None
-        active = []  # (name, pieces) of the banks stepped
+        active = []  # (name, pieces) of the banks of replicated parameters stepped
         work = []  # (name, this rank's pieces of the bank), in bank order: the order the exchange packs
+        shard_groups = OrderedDict()  # ShardLayout: [(name, pieces)] of sharded parameters (sharded.py)
         for _, pieces in self.banks():
-            # a matrix without a gradient is left alone; under DDP every rank sees the same ones,
-            # so every rank packs the same exchange
+            # a matrix without a gradient is left alone; under DDP and FSDP every rank sees the same
+            # ones, so every rank packs the same exchange
             pieces = [piece for piece in pieces if piece.param.grad is not None]
+            by_layout = OrderedDict()
+            for piece in pieces:
+                if is_sharded(piece.param):
+                    by_layout.setdefault(shard_layout(piece.param), []).append(piece)
+            for layout, subset in by_layout.items():
+                shard_groups.setdefault(layout, []).append((self.bank_name(subset), subset))
+            pieces = [piece for piece in pieces if not is_sharded(piece.param)]
             if not pieces:
                 continue
             name = self.bank_name(pieces)
@@ -317,8 +358,12 @@ class ManifoldMuon(torch.optim.Optimizer):
             mine = pieces if self.world_size == 1 else [piece for piece in pieces if owners[piece.key] == self.rank]
             if mine:
                 work.append((name, mine))
-        momenta = self._momenta([piece for _, pieces in work for piece in pieces])
-        computed = self._step_banks(work, momenta) if work else []
+        momenta = self._momenta([piece for _, pieces in work for piece in pieces] +
+                                [piece for banks in shard_groups.values() for _, pieces in banks for piece in pieces])
+        for layout, banks in shard_groups.items():  # the same groups in the same order on every rank
+            every = [piece for piece in self.pieces() if is_sharded(piece.param) and shard_layout(piece.param) == layout]
+            ShardedStep(self, layout, banks, every).run(momenta)
+        computed = self._step_banks(work, self._replicated_inputs(momenta)) if work else []
         if self.world_size == 1:
             for pieces, new_W in computed:
                 self._write(pieces, new_W)
@@ -337,20 +382,24 @@ class ManifoldMuon(torch.optim.Optimizer):
                 continue
             capturable = self.plan.capturable
             for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if capturable
-                                     else torch.tensor(0.0, dtype=torch.float32))
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif capturable and state["step"].device != p.device:  # loaded: a state_dict keeps it on the host
-                    state["step"] = state["step"].to(p.device, torch.float32)
+                self._adamw_state(p)
             beta1, beta2 = group["betas"]
             adamw(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
                   [self.state[p]["exp_avg_sq"] for p in params], [], [self.state[p]["step"] for p in params],
                   capturable=capturable, has_complex=any(torch.is_complex(p) for p in params),
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
+
+    def _adamw_state(self, p):
+        """An "adamw" parameter's state, as torch.optim.AdamW creates it."""
+        state, capturable = self.state[p], self.plan.capturable
+        if not state:
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if capturable
+                             else torch.tensor(0.0, dtype=torch.float32))
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif capturable and state["step"].device != p.device:  # loaded: a state_dict keeps it on the host
+            state["step"] = state["step"].to(p.device, torch.float32)
 
     def _exchange(self, banks, computed, owners):
         """Every rank's new weights to every rank: one flat all-gather. A rank's buffer is its
@@ -402,7 +451,7 @@ class ManifoldMuon(torch.optim.Optimizer):
     def _momenta(self, pieces):
         """{id(param): G} for the parameters of these pieces, updated once per step, with one
         foreach op per group setting for all of them (not three ops per parameter):
-        buf <- mu buf + g;  G = g + mu buf (Nesterov) or buf."""
+        buf <- mu buf + g;  G = g + mu buf (Nesterov) or buf. Sharded parameters: their local parts."""
         by_setting = OrderedDict()
         for piece in pieces:
             group = piece.group
@@ -413,39 +462,51 @@ class ManifoldMuon(torch.optim.Optimizer):
             for p in params:
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            bufs = [self.state[p]["momentum_buffer"] for p in params]
-            grads = [p.grad.float() for p in params]
+            bufs = [local(self.state[p]["momentum_buffer"]) for p in params]
+            grads = [local(p.grad).float() for p in params]
             torch._foreach_mul_(bufs, mu)
             torch._foreach_add_(bufs, grads)
             G = torch._foreach_add(grads, bufs, alpha=mu) if nesterov else torch._foreach_mul(bufs, 1.0)
             momenta.update((id(p), g) for p, g in zip(params, G))
         return momenta
 
-    def _step_banks(self, banks, momenta):
-        """[(pieces, new weights stacked in their orientation)] for banks [(name, pieces)] (all of
-        each bank's pieces, or this rank's): one solve_tall_banks under the plan."""
-        inputs = [self._bank_inputs(pieces, momenta) for _, pieces in banks]
+    def _step_banks(self, banks, matrices, keep=None):
+        """[(pieces, [new weight of each piece, in its orientation])] for banks [(name, pieces)]
+        (all of each bank's pieces, or this rank's): one solve_tall_banks under the plan.
+        matrices(piece) -> (W, G, warm start or None) of a piece; keep(pieces, states or None)
+        stores a bank's new warm starts (default: in this optimizer's state)."""
+        keep = keep or self._keep_warm_starts
+        inputs = [self._bank_inputs(pieces, matrices) for _, pieces in banks]
         if self.options.solver == "reference":
-            return [(pieces, self._reference_bank(pieces, name, W, G)) for (W, G, _), (name, pieces) in zip(inputs, banks)]
+            return [(pieces, self._reference_bank(pieces, name, W, G, keep))
+                    for (W, G, _), (name, pieces) in zip(inputs, banks)]
         solutions = solve_tall_banks([(W, G, self._geometry(pieces), state)
                                       for (W, G, state), (_, pieces) in zip(inputs, banks)], self.plan)
-        return [(pieces, self._finish_bank(pieces, name, W, solution))
+        return [(pieces, self._finish_bank(pieces, name, W, solution, keep))
                 for (W, _, _), (name, pieces), solution in zip(inputs, banks, solutions)]
+
+    def _replicated_inputs(self, momenta):
+        """matrices(piece) of _step_banks for replicated parameters: the weight, its momentum rows
+        and its warm start from this rank's state."""
+        return lambda piece: (piece.weight().float(), momenta[id(piece.param)][piece.lo:piece.hi],
+                              self.state[piece.param].get(piece.dual_key))
 
     @staticmethod
     def _geometry(pieces):
         return geometry(pieces[0].manifold, pieces[0].group.get("dgram_cap", 1.0))
 
-    def _bank_inputs(self, pieces, momenta):
+    @staticmethod
+    def _bank_inputs(pieces, matrices):
         """(W, G, warm start) of same-shape pieces, stacked, on the tall orientation."""
         # the tall orientation: constraints act on the small Gram matrix
         on_tall = lambda X, piece: X.mT if piece.wide else X  # noqa: E731
-        G = torch.stack([on_tall(momenta[id(piece.param)][piece.lo:piece.hi], piece) for piece in pieces])
-        W = torch.stack([on_tall(piece.weight().float(), piece) for piece in pieces])
-        warm = [self.state[piece.param].get(piece.dual_key) for piece in pieces]
+        inputs = [matrices(piece) for piece in pieces]
+        W = torch.stack([on_tall(W, piece) for piece, (W, _, _) in zip(pieces, inputs)])
+        G = torch.stack([on_tall(G, piece) for piece, (_, G, _) in zip(pieces, inputs)])
+        warm = [w for _, _, w in inputs]
         return W, G, torch.stack(warm) if all(w is not None for w in warm) else None
 
-    def _finish_bank(self, pieces, name, W, solution):
+    def _finish_bank(self, pieces, name, W, solution, keep):
         """[new weight of each piece] (its own orientation) from their solution; keeps the warm start."""
         eta = per_matrix(W, [piece.group["lr"] for piece in pieces])
         if not self._geometry(pieces).constrained:  # plain Muon: weight decay, no retraction
@@ -455,13 +516,13 @@ class ManifoldMuon(torch.optim.Optimizer):
             # the retraction's Gram stays fp32; where the iterations run at TF32 so do its small corrections
             new_W = self._geometry(pieces).retract(W - eta * solution.A, near=True, backend=self.plan.backend,
                                                    tf32_correction=self.plan.tf32)
-            self._keep_warm_starts(pieces, solution.state)
+            keep(pieces, solution.state)
         # tensors, not floats: reading them would sync the device every bank
         self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max(),
                                  "fallbacks": solution.fallbacks}
         return [w.mT if piece.wide else w for piece, w in zip(pieces, new_W.unbind(0))]
 
-    def _reference_bank(self, pieces, name, W, G):
+    def _reference_bank(self, pieces, name, W, G, keep):
         """[new weight of each piece] by manifolds/reference.py, matrix by matrix (W, G tall): the
         same lr, weight decay and retraction as the fast path; no warm start."""
         geo = self._geometry(pieces)
@@ -470,7 +531,7 @@ class ManifoldMuon(torch.optim.Optimizer):
             new, run, residual = reference.step_tall(W_i, G_i, geo, piece.group["lr"], piece.group["weight_decay"])
             iterations, residuals = max(iterations, run), residuals + [residual]
             new_W.append(new.mT if piece.wide else new)
-            self.state[piece.param].pop(piece.dual_key, None)
+        keep(pieces, None)
         self.last_stats[name] = {"iterations": torch.tensor(float(iterations)), "residual": torch.tensor(max(residuals)),
                                  "fallbacks": torch.tensor(0.0)}
         return new_W
@@ -507,7 +568,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         "attn.proj=dgram+mlp.fc=dgram:768x768"); otherwise "[<group names>/]<manifold>:<rows>x<cols>"."""
         manifold = pieces[0].manifold
         names = list(OrderedDict.fromkeys(piece.group.get("name") for piece in pieces if piece.group.get("name")))
-        rows, cols = pieces[0].weight().shape
+        rows, cols = pieces[0].hi - pieces[0].lo, pieces[0].param.size(1)
         if names and all(name.endswith(f"={manifold}") for name in names):
             return f"{'+'.join(names)}:{rows}x{cols}"
         prefix = "+".join(names) + "/" if names else ""
@@ -540,6 +601,8 @@ class ManifoldMuon(torch.optim.Optimizer):
                       for p in group["params"])  # stepped on every rank
         duals = {(id(piece.param), piece.dual_key) for piece in pieces}
         for p in list(self.state):
+            if is_sharded(p):  # every rank keeps its part of a sharded parameter's state
+                continue
             if id(p) not in params:
                 del self.state[p]  # another rank owns it now
                 continue

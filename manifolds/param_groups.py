@@ -47,6 +47,7 @@ import torch
 from errors import UserError
 from manifolds.assignment import MATRIX_KEYS, QKV_BLOCKS, parse_assignment, qkv_blocks
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold
+from manifolds.sharded import is_sharded, project_sharded
 
 
 class Matrix(NamedTuple):
@@ -249,7 +250,18 @@ def project_matrices(matrices, dgram_cap=1.0, only=None):
     for name, p, _, blocks, transposed in matrices:
         if (only is not None and name not in only) or not p.requires_grad:
             continue
-        for _, lo, hi, manifold in blocks:
-            if geometry(manifold).constrained:
-                p[lo:hi] = project_to_manifold(p[lo:hi].float(), manifold, dgram_cap, transposed)
+        manifolds = {lo: manifold for _, lo, _, manifold in blocks}
+
+        def projected(lo, hi, block):
+            if not geometry(manifolds[lo]).constrained:
+                return None
+            return project_to_manifold(block.float(), manifolds[lo], dgram_cap, transposed)
+
+        if is_sharded(p):  # FSDP2: each matrix gathered once, projected whole, this rank's part kept
+            project_sharded(p, [(lo, hi, m) for _, lo, hi, m in blocks], projected)
+            continue
+        for _, lo, hi, _ in blocks:
+            new = projected(lo, hi, p[lo:hi])
+            if new is not None:
+                p[lo:hi] = new
 

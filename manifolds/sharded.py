@@ -1,0 +1,326 @@
+"""ManifoldMuon on sharded parameters: DTensors split on one dimension over one mesh dimension
+(FSDP2's `fully_shard`: Shard(0) on a 1-D mesh; HSDP: (Replicate, Shard(0)) on a 2-D mesh, whose
+replicas each run the same exchange on their own shard group).
+
+Manifold Muon needs whole matrices, and more than Muon does: the tangent space and the retraction
+are W's, and the answer is a new W, not an increment. So each piece (a parameter, or a row block
+of one) has an owner among the P ranks of its shard group (optimizer.balanced_owners on
+work.piece_cost, as under DDP), and one step is
+
+  1. momentum on the local shards: buf <- mu buf + g, G = g + mu buf (the state "momentum_buffer"
+     is a DTensor in the parameter's layout, so it shards, saves and reshards with it);
+  2. out, one all_to_all_single: each rank sends its part of every piece's W (fp32) and G, and of
+     its dual warm start Lambda (q x q, a DTensor split on rows) when it has one, to the owner;
+  3. the owners assemble their pieces and solve each bank's share in one batched call, exactly as
+     one process does (optimizer._step_banks);
+  4. back, one all_to_all_single: each rank receives its part of every new W and new Lambda and
+     writes it in place into its local shard (FSDP's sharded storage).
+
+No rank gathers every matrix, and the collectives are two per shard group and step, whatever the
+data. Per step a rank sends about (2 |W| + |Lambda|) (P-1)/P^2 and receives (|W| + |Lambda|)
+(P-1)/P^2 elements summed over the matrices, where |Lambda| = q^2 (0 for plain Muon, the exact
+square Stiefel step and the reference solver, which keep no warm start): 3/P of one fp32
+all-gather of W when Lambda is small, as for MLP matrices (q^2 = |W|/4).
+
+Parts are rectangles: rank r holds rows (or columns) torch.chunk-wise, ceil(n/P) each, the last
+ranks fewer or none (FSDP2's split); a piece [lo, hi) x all columns meets it in a rectangle,
+possibly empty. Every rank computes every size from the shapes alone, so the exchange needs no
+size handshake.
+
+State kept for each sharded parameter from the moment its group is added (so that every rank has
+the same keys before the first step, as torch.distributed.checkpoint's get_state_dict needs):
+"step" (steps taken, a CPU tensor: the warm start is used once it is positive), "momentum_buffer"
+and one "dual" / "dual@<lo>" per piece that keeps a warm start.
+"""
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+    import torch.distributed.tensor as distributed_tensor
+except ImportError:  # torch without DTensor: nothing is ever sharded
+    DTensor, Shard, distributed_tensor = (), None, None
+
+from manifolds.geometry import geometry
+from manifolds.work import piece_cost
+
+
+def is_sharded(p):
+    return isinstance(p, DTensor)
+
+
+def local(x):
+    """The local part of a DTensor (the tensor itself otherwise)."""
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def chunk_range(n, parts, index):
+    """[lo, hi) of part `index` of n rows split as torch.chunk, FSDP2 and DTensor's Shard split
+    them: ceil(n / parts) each, the last parts shorter or empty."""
+    size = -(-n // parts)
+    lo = min(n, index * size)
+    return lo, min(n, lo + size)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a 2-D DTensor is split: tensor dimension `dim` over mesh dimension `mesh_dim`."""
+    mesh: object
+    mesh_dim: int
+    dim: int
+
+    @property
+    def group(self):
+        return self.mesh.get_group(self.mesh_dim)
+
+    @property
+    def size(self):
+        return self.mesh.size(self.mesh_dim)
+
+    @property
+    def rank(self):
+        return self.mesh.get_local_rank(self.mesh_dim)
+
+    def part(self, shape, index):
+        """(rows, cols) slices of the global tensor that shard `index` holds."""
+        span = [slice(0, shape[0]), slice(0, shape[1])]
+        span[self.dim] = slice(*chunk_range(shape[self.dim], self.size, index))
+        return tuple(span)
+
+
+def shard_layout(p):
+    """The ShardLayout of a sharded parameter; ValueError naming any layout it is not."""
+    placements = tuple(p.placements)
+    shards = [(mesh_dim, placement.dim) for mesh_dim, placement in enumerate(placements) if placement.is_shard()]
+    if len(shards) != 1 or not all(pl.is_shard() or pl.is_replicate() for pl in placements) or p.dim() != 2:
+        raise ValueError(f"ManifoldMuon steps matrices split on one dimension over one mesh dimension (FSDP2's "
+                         f"Shard(0), HSDP's (Replicate, Shard(0))); got a {p.dim()}-D parameter with placements "
+                         f"{placements} on a {p.device_mesh.ndim}-D mesh (tensor parallelism and two sharded "
+                         f"dimensions are not supported)")
+    mesh_dim, dim = shards[0]
+    return ShardLayout(p.device_mesh, mesh_dim, dim % 2)
+
+
+def keeps_warm_start(piece, options):
+    """Whether the solver leaves a dual warm start for this piece (dual.solve_tall): ADMM does;
+    plain Muon, the exact square Stiefel step and the reference solver do not."""
+    geo = geometry(piece.manifold, piece.group.get("dgram_cap", 1.0))
+    rows, cols = piece.hi - piece.lo, piece.param.size(1)
+    return geo.constrained and not (geo.exact_square_step and rows == cols) and options.solver != "reference"
+
+
+def warm_shape(piece):
+    q = min(piece.hi - piece.lo, piece.param.size(1))
+    return q, q
+
+
+def warm_placements(p, layout):
+    """The dual's placements: the parameter's, split on rows (its q x q has no columns to follow)."""
+    return tuple(Shard(0) if mesh_dim == layout.mesh_dim else placement
+                 for mesh_dim, placement in enumerate(p.placements))
+
+
+def init_sharded_state(optimizer, group, pieces):
+    """Create the state of a group's sharded parameters (module docstring), zero, without communication."""
+    for p in group["params"]:
+        if not is_sharded(p):
+            continue
+        state = optimizer.state[p]
+        state.setdefault("step", torch.tensor(0.0))
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+    for piece in pieces:
+        if is_sharded(piece.param) and keeps_warm_start(piece, optimizer.options):
+            state, layout = optimizer.state[piece.param], shard_layout(piece.param)
+            if piece.dual_key not in state:
+                state[piece.dual_key] = distributed_tensor.zeros(
+                    warm_shape(piece), dtype=torch.float32, device_mesh=layout.mesh,
+                    placements=warm_placements(piece.param, layout))
+
+
+@torch.no_grad()
+def project_sharded(p, blocks, project_block):
+    """Apply `project_block(lo, hi, block) -> new block or None` to the whole of a sharded
+    parameter (gathered once, when its group is added) and write back this rank's part."""
+    layout = shard_layout(p)
+    whole = p.full_tensor()
+    changed = False
+    for lo, hi, _ in blocks:
+        new = project_block(lo, hi, whole[lo:hi])
+        if new is not None:
+            whole[lo:hi] = new
+            changed = True
+    if changed:
+        local(p).copy_(whole[layout.part(p.shape, layout.rank)])
+
+
+def piece_box(piece, layout, index):
+    """Where a piece meets shard `index`: (rows in the piece, cols, rows in the shard, cols in the
+    shard), as slices; empty where they do not meet."""
+    rows, cols = layout.part(piece.param.shape, index)
+    lo, hi = max(piece.lo, rows.start), min(piece.hi, rows.stop)
+    hi = max(lo, hi)
+    return (slice(lo - piece.lo, hi - piece.lo), cols,
+            slice(lo - rows.start, hi - rows.start), slice(0, cols.stop - cols.start))
+
+
+def box_numel(box):
+    rows, cols = box[0], box[1]
+    return (rows.stop - rows.start) * (cols.stop - cols.start)
+
+
+def dual_rows(piece, layout, index):
+    return slice(*chunk_range(warm_shape(piece)[0], layout.size, index))
+
+
+class ShardedStep:
+    """One step of the sharded pieces of one shard group (module docstring)."""
+
+    def __init__(self, optimizer, layout, banks, all_pieces):
+        """banks: [(name, pieces)] of this group's pieces with gradients, in bank order (the same
+        on every rank); all_pieces: every piece of this group, for the owners (stable over steps)."""
+        self.opt, self.layout, self.banks = optimizer, layout, banks
+        owners = balanced(all_pieces, optimizer.plan, layout.size)
+        self.owner = {piece.key: owners[piece.key] for _, pieces in banks for piece in pieces}
+        self.warm = {piece.key: bool(optimizer.state[piece.param]["step"] > 0)
+                     and keeps_warm_start(piece, optimizer.options) for _, pieces in banks for piece in pieces}
+        self.keeps = {piece.key: keeps_warm_start(piece, optimizer.options) for _, pieces in banks for piece in pieces}
+
+    def pieces_of(self, rank):
+        return [piece for _, pieces in self.banks for piece in pieces if self.owner[piece.key] == rank]
+
+    # what one rank sends to another, in order, both ways (sizes from the shapes alone)
+
+    def out_parts(self, piece, sender):
+        """[(name, numel)] of what `sender` sends the owner of `piece`: its part of W, of G, of Lambda."""
+        box = piece_box(piece, self.layout, sender)
+        parts = [("W", box_numel(box)), ("G", box_numel(box))]
+        if self.warm[piece.key]:
+            rows = dual_rows(piece, self.layout, sender)
+            parts.append(("dual", (rows.stop - rows.start) * warm_shape(piece)[1]))
+        return parts
+
+    def back_parts(self, piece, receiver):
+        box = piece_box(piece, self.layout, receiver)
+        parts = [("W", box_numel(box))]
+        if self.keeps[piece.key]:
+            rows = dual_rows(piece, self.layout, receiver)
+            parts.append(("dual", (rows.stop - rows.start) * warm_shape(piece)[1]))
+        return parts
+
+    def run(self, momenta):
+        """momenta: {id(param): local G}. Writes every new weight and warm start in place."""
+        opt, layout, me = self.opt, self.layout, self.layout.rank
+        device = local(self.banks[0][1][0].param).device
+        # 2. out: my part of each piece, to its owner, in the owner's order
+        sends = []
+        for dest in range(layout.size):
+            for piece in self.pieces_of(dest):
+                _, _, rows, cols = piece_box(piece, layout, me)
+                sends.append(local(piece.param)[rows, cols].float().reshape(-1))
+                sends.append(momenta[id(piece.param)][rows, cols].reshape(-1))
+                if self.warm[piece.key]:
+                    sends.append(local(opt.state[piece.param][piece.dual_key]).reshape(-1))
+        in_sizes = [sum(n for piece in self.pieces_of(dest) for _, n in self.out_parts(piece, me))
+                    for dest in range(layout.size)]
+        out_sizes = [sum(n for piece in self.pieces_of(me) for _, n in self.out_parts(piece, src))
+                     for src in range(layout.size)]
+        received = exchange(sends, in_sizes, out_sizes, layout.group, device)
+        # 3. assemble my pieces and solve them, bank by bank, as one process does
+        whole = {}
+        for piece in self.pieces_of(me):
+            rows, cols = piece.hi - piece.lo, piece.param.size(1)
+            whole[piece.key] = [torch.empty(rows, cols, dtype=torch.float32, device=device),
+                                torch.empty(rows, cols, dtype=torch.float32, device=device),
+                                torch.empty(warm_shape(piece), dtype=torch.float32, device=device)
+                                if self.warm[piece.key] else None]
+        offset = 0
+        for src in range(layout.size):
+            for piece in self.pieces_of(me):
+                piece_rows, piece_cols, _, _ = piece_box(piece, layout, src)
+                W, G, dual = whole[piece.key]
+                for name, n in self.out_parts(piece, src):
+                    chunk = received[offset:offset + n]
+                    offset += n
+                    if name == "dual":
+                        dual[dual_rows(piece, layout, src)] = chunk.view(-1, dual.size(1))
+                    else:
+                        target = (W if name == "W" else G)[piece_rows, piece_cols]
+                        target.copy_(chunk.view(target.shape))
+        mine = [(name, [piece for piece in pieces if self.owner[piece.key] == me]) for name, pieces in self.banks]
+        mine = [(name, pieces) for name, pieces in mine if pieces]
+        new_duals = {}
+
+        def keep(pieces, states):
+            for i, piece in enumerate(pieces):
+                new_duals[piece.key] = None if states is None else states[i]
+                if (states is None) == self.keeps[piece.key]:
+                    raise RuntimeError(f"internal: the solver's warm start for a {piece.manifold} piece does not "
+                                       f"match keeps_warm_start")
+
+        inputs = lambda piece: whole[piece.key]  # noqa: E731
+        computed = opt._step_banks(mine, inputs, keep) if mine else []
+        new_W = {piece.key: w for pieces, ws in computed for piece, w in zip(pieces, ws)}
+        # 4. back: each rank its part of every new W and Lambda I computed
+        sends = []
+        for dest in range(layout.size):
+            for piece in self.pieces_of(me):
+                piece_rows, piece_cols, _, _ = piece_box(piece, layout, dest)
+                sends.append(new_W[piece.key][piece_rows, piece_cols].float().reshape(-1))
+                if self.keeps[piece.key]:
+                    sends.append(new_duals[piece.key][dual_rows(piece, layout, dest)].reshape(-1))
+        in_sizes = [sum(n for piece in self.pieces_of(me) for _, n in self.back_parts(piece, dest))
+                    for dest in range(layout.size)]
+        out_sizes = [sum(n for piece in self.pieces_of(src) for _, n in self.back_parts(piece, me))
+                     for src in range(layout.size)]
+        received = exchange(sends, in_sizes, out_sizes, layout.group, device)
+        targets, sources, offset = [], [], 0
+        for src in range(layout.size):
+            for piece in self.pieces_of(src):
+                _, _, rows, cols = piece_box(piece, layout, me)
+                for name, n in self.back_parts(piece, me):
+                    target = (local(piece.param)[rows, cols] if name == "W"
+                              else local(opt.state[piece.param][piece.dual_key]))
+                    targets.append(target)
+                    sources.append(received[offset:offset + n].view(target.shape))
+                    offset += n
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        for param in OrderedDict((id(piece.param), piece.param) for _, pieces in self.banks for piece in pieces).values():
+            opt.state[param]["step"] += 1
+        self.gather_stats([name for name, _ in self.banks], device)
+
+    def gather_stats(self, names, device):
+        """Every bank's statistics from the ranks that solved a share of it: one small all-gather."""
+        from manifolds.optimizer import STAT_FIELDS, STATS
+        mine = torch.full((len(names), STATS), -float("inf"), dtype=torch.float32, device=device)
+        for i, name in enumerate(names):
+            if name in self.opt.last_stats:
+                for j, field in enumerate(STAT_FIELDS):
+                    mine[i, j] = self.opt.last_stats[name][field]
+        shares = torch.empty(self.layout.size * mine.numel(), dtype=torch.float32, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(shares, mine.reshape(-1), group=self.layout.group)
+        shares = shares.view(self.layout.size, len(names), STATS)
+        largest, fallbacks = shares[..., :2].amax(dim=0), shares[..., 2].clamp_min(0).sum(dim=0)
+        for i, name in enumerate(names):
+            self.opt.last_stats[name] = {"iterations": largest[i, 0], "residual": largest[i, 1],
+                                         "fallbacks": fallbacks[i]}
+
+
+def balanced(pieces, plan, world_size):
+    from manifolds.optimizer import balanced_owners
+    owners = balanced_owners([piece_cost(piece, plan) for piece in pieces], world_size)
+    return {piece.key: rank for piece, rank in zip(pieces, owners)}
+
+
+def exchange(sends, in_sizes, out_sizes, group, device):
+    """One all_to_all_single of the flat fp32 parts in `sends` (in_sizes[r] of them for rank r);
+    returns what arrived (out_sizes[r] from rank r, in rank order)."""
+    send = torch.cat(sends) if sends else torch.empty(0, dtype=torch.float32, device=device)
+    received = torch.empty(sum(out_sizes), dtype=torch.float32, device=device)
+    dist.all_to_all_single(received, send, out_sizes, in_sizes, group=group)
+    return received

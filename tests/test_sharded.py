@@ -1,0 +1,245 @@
+"""ManifoldMuon on FSDP2-sharded models (manifolds/sharded.py), on gloo ranks of this CPU.
+
+Three launches serve every check (launches cost more than checks): 2 ranks, 3 ranks (uneven and
+empty shards: 64 MLP rows split 22/22/20, Llama's 4-row k_proj and v_proj 2/2/0) and 1 rank. Each
+rank trains, under `fully_shard` per block and at the root:
+  * our GPT-2 (fused QKV as q | k | v row blocks on stiefel, oblique and dgram; attn.proj stiefel,
+    mlp.fc dgram, mlp.proj none) and a 5-layer Llama (hetero: its square q_proj and o_proj take
+    the exact square step, k_proj and v_proj are 4 x 32), 3 steps of the same global batches,
+    with ManifoldMuon and, as the yardstick of the harness's own rounding, with torch.optim.SGD;
+  * a DCP checkpoint of the GPT case at step 2 (get_state_dict + dcp.save), loaded into a freshly
+    built sharded model and optimizer (set_state_dict) that continues 2 steps; 2 ranks also save
+    one that the 3-rank and 1-rank launches load and continue.
+The test process trains the same models in one process (ManifoldMuon and SGD, no sharding) and
+compares.
+"""
+import json
+import multiprocessing
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+import train_gpt2  # noqa: E402
+
+BATCH, SEQ, VOCAB, STEPS = 6, 16, 64, 3
+GPT_SPEC = "attn.q=stiefel,attn.k=oblique,attn.v=dgram,attn.proj=stiefel,mlp.fc=dgram,mlp.proj=none"
+CASES = {"gpt": GPT_SPEC, "llama": "hetero"}
+ADAMW = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.0}
+MUON_GAP = 1e-4
+
+
+def build(case, seed=0):
+    torch.manual_seed(seed)
+    if case == "gpt":
+        return train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=5, n_head=2, n_embd=16, seq_len=SEQ, vocab_size=VOCAB))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=1,
+        vocab_size=VOCAB, bos_token_id=0, eos_token_id=0))
+
+
+def blocks_of(model):
+    return model.blocks if hasattr(model, "blocks") else model.model.layers
+
+
+def batches(step, rank=0, world_size=1):
+    """This rank's rows of the global batch of a step."""
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
+    rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    return tokens[rows, :-1], tokens[rows, 1:]
+
+
+def loss_of(model, step, rank=0, world_size=1):
+    x, y = batches(step, rank, world_size)
+    if isinstance(model, train_gpt2.GPT):
+        return model(x, y)
+    logits = model(x).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def optimizer(model, case, kind, shard=True):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.5)
+    groups, _ = manifold_param_groups(model, CASES[case], adamw=ADAMW)
+    return ManifoldMuon(groups, lr=0.05, shard=shard)
+
+
+def shard(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+    for block in blocks_of(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def train(model, opt, steps, rank=0, world_size=1):
+    """[loss of each step, averaged over the ranks]"""
+    losses = []
+    for step in steps:
+        loss = loss_of(model, step, rank, world_size)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if world_size > 1:
+            dist.all_reduce(loss := loss.detach().clone())
+            loss /= world_size
+        losses.append(loss.item())
+    return losses
+
+
+def gathered(model):
+    """{name: whole weight} (a collective on a sharded model)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def manifold_matrices(case):
+    """[(name, [(lo, hi, manifold)], transposed)] of the case's matrices on a manifold."""
+    model = build(case)
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups, _ = manifold_param_groups(model, CASES[case])
+    return [(names[id(p)], group.get("blocks") or [(0, p.size(0), group["manifold"])], group.get("transposed", False))
+            for group in groups for p in group["params"]]
+
+
+# --- one rank of a launch ---------------------------------------------------------------------
+
+def rank_main(rank, world_size, store, out_dir, checkpoint_in):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    mesh = init_device_mesh("cpu", (world_size,))
+    results = {}
+    try:
+        for case in CASES:
+            for kind in ("muon", "sgd"):
+                model = shard(build(case), mesh)
+                opt = optimizer(model, case, kind)
+                losses = train(model, opt, range(STEPS), rank, world_size)
+                results[f"{case}/{kind}"] = {"losses": losses, "weights": gathered(model)}
+        # DCP: save at step 2, continue; a fresh model and optimizer load it and continue
+        model = shard(build("gpt"), mesh)
+        opt = optimizer(model, "gpt", "muon")
+        train(model, opt, range(2), rank, world_size)
+        path = os.path.join(out_dir, "checkpoint")
+        model_state, optim_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        straight = train(model, opt, range(2, 4), rank, world_size)
+        fresh = shard(build("gpt", seed=1), mesh)
+        fresh_opt = optimizer(fresh, "gpt", "muon")
+        results["dcp"] = {"straight": straight, "straight_weights": gathered(model),
+                          "resumed": continue_from(fresh, fresh_opt, path, rank, world_size),
+                          "resumed_weights": gathered(fresh)}
+        if checkpoint_in:  # another world size's checkpoint at step 2
+            fresh = shard(build("gpt", seed=1), mesh)
+            fresh_opt = optimizer(fresh, "gpt", "muon")
+            results["resharded"] = continue_from(fresh, fresh_opt, checkpoint_in, rank, world_size)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def continue_from(model, opt, path, rank, world_size):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return train(model, opt, range(2, 4), rank, world_size)
+
+
+def launch(world_size, out_dir, checkpoint_in=None):
+    os.makedirs(out_dir, exist_ok=True)
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=rank_main, args=(rank, world_size, os.path.join(out_dir, "store"), out_dir,
+                                                       checkpoint_in)) for rank in range(world_size)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=300)
+    assert [process.exitcode for process in ranks] == [0] * world_size
+    return [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    two = launch(2, str(root / "two"))
+    three = launch(3, str(root / "three"), checkpoint_in=str(root / "two" / "checkpoint"))
+    one = launch(1, str(root / "one"), checkpoint_in=str(root / "two" / "checkpoint"))
+    return {2: two, 3: three, 1: one}
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """The one-process runs: {case/kind: {"losses", "weights"}}."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {}
+        for case in CASES:
+            for kind in ("muon", "sgd"):
+                model = build(case)
+                opt = optimizer(model, case, kind, shard=False)
+                losses = train(model, opt, range(STEPS))
+                out[f"{case}/{kind}"] = {"losses": losses, "weights": gathered(model)}
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def largest_difference(a, b):
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+# --- the checks --------------------------------------------------------------------------------
+
+def test_the_harness_shards_as_one_process_trains_sgd_first(runs, alone):
+    """Gradient parity first (FSDP2 on gloo once summed instead of averaging, pytorch#162338)."""
+    for world_size in (2, 3):
+        for case in CASES:
+            sharded = runs[world_size][0][f"{case}/sgd"]["weights"]
+            assert largest_difference(sharded, alone[f"{case}/sgd"]["weights"]) <= 1e-6, (world_size, case)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_manifold_muon_trains_as_one_process(runs, alone, case, world_size):
+    ranks = [results[f"{case}/muon"] for results in runs[world_size]]
+    for other in ranks[1:]:  # every rank gathers the same weights
+        assert all(torch.equal(other["weights"][n], ranks[0]["weights"][n]) for n in other["weights"])
+    weights, reference = ranks[0]["weights"], alone[f"{case}/muon"]["weights"]
+    muon_gap = largest_difference(weights, reference)
+    sgd_gap = largest_difference(runs[world_size][0][f"{case}/sgd"]["weights"], alone[f"{case}/sgd"]["weights"])
+    print(f"{case} on {world_size} ranks: ManifoldMuon {muon_gap:.1e}, SGD {sgd_gap:.1e} from one process")
+    assert muon_gap <= MUON_GAP
+    start = build(case).state_dict()
+    for name, blocks, transposed in manifold_matrices(case):
+        W = weights[name]
+        assert not torch.equal(W, start[name]), name  # it moved
+        for lo, hi, manifold in blocks:
+            assert manifold_violation(W[lo:hi], manifold, transposed=transposed) <= 1e-4, (name, lo, manifold)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_dcp_checkpoint_continues_bitwise_in_a_fresh_sharded_model(runs, world_size):
+    for results in runs[world_size]:
+        dcp = results["dcp"]
+        assert dcp["resumed"] == dcp["straight"]
+        assert all(torch.equal(dcp["resumed_weights"][n], dcp["straight_weights"][n]) for n in dcp["straight_weights"])
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_two_rank_checkpoint_continues_on_another_number_of_ranks(runs, world_size):
+    straight = runs[2][0]["dcp"]["straight"]
+    resharded = runs[world_size][0]["resharded"]
+    assert max(abs(a - b) for a, b in zip(resharded, straight)) <= 1e-4, (resharded, straight)
