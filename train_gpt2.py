@@ -65,14 +65,28 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    apply_model_preset(args)
+    return args
+
+
+# --model presets: (blocks, heads, width) of the GPT-2 family (Radford et al. 2019)
+MODEL_PRESETS = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
+                 "gpt2-xl": (48, 25, 1600)}
+
+
+def apply_model_preset(args):
+    """--n-layer, --n-head and --n-embd not given take the --model preset's values."""
+    for name, value in zip(("n_layer", "n_head", "n_embd"), MODEL_PRESETS[args.model]):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_run_flags(p.add_argument_group("run"))
     add_auto_assign_flags(p.add_argument_group("automatic assignment (--assign auto)"))
-    add_model_flags(p.add_argument_group("model (GPT-2 small by default)"))
+    add_model_flags(p.add_argument_group("model (GPT-2 small by default; --model picks another size)"))
     add_stabilizer_flags(p.add_argument_group("attention-logit stabilizers (combine with any --assign)"))
     add_training_flags(p.add_argument_group("training"))
     add_solver_flags(p.add_argument_group("manifold Muon's solver"))
@@ -123,9 +137,13 @@ def add_auto_assign_flags(u):
 
 
 def add_model_flags(m):
-    m.add_argument("--n-layer", type=int, default=12, help="transformer blocks")
-    m.add_argument("--n-head", type=int, default=12, help="attention heads")
-    m.add_argument("--n-embd", type=int, default=768, help="model width")
+    m.add_argument("--model", choices=MODEL_PRESETS, default="gpt2",
+                   help="model size preset: blocks / heads / width " + ", ".join(
+                       f"{name} {'/'.join(map(str, shape))}" for name, shape in MODEL_PRESETS.items())
+                   + "; --n-layer, --n-head and --n-embd override its values")
+    m.add_argument("--n-layer", type=int, default=None, help="transformer blocks (default: --model's)")
+    m.add_argument("--n-head", type=int, default=None, help="attention heads (default: --model's)")
+    m.add_argument("--n-embd", type=int, default=None, help="model width (default: --model's)")
     m.add_argument("--seq-len", type=int, default=1024, help="context length in tokens")
     m.add_argument("--vocab-size", type=int, default=50304, help="embedding rows (GPT-2's 50257 padded)")
 

@@ -294,3 +294,19 @@ def test_the_muon_step_replayed_from_a_graph_trains_as_the_eager_one(data_dir, t
     assert len(losses(tmp_path / "eager")) == 8
     assert losses(tmp_path / "graph") == losses(tmp_path / "eager")
     assert graphed["final_val_loss"] == eager["final_val_loss"]
+
+
+def test_model_presets_give_the_gpt2_family_and_explicit_sizes_override_them():
+    # parameter counts of the published GPT-2 sizes (50257-token vocabulary, 1024 positions, tied head,
+    # with biases, which our blocks do not have): 124M, 355M, 774M, 1558M
+    published = {"gpt2": 124.4e6, "gpt2-medium": 354.8e6, "gpt2-large": 774.0e6, "gpt2-xl": 1557.6e6}
+    for name, count in published.items():
+        args = train_gpt2.parse_args(["--model", name, "--vocab-size", "50257"])
+        with torch.device("meta"):
+            model = train_gpt2.GPT(train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
+                                                        args.vocab_size))
+        n = sum(p.numel() for p in model.parameters())
+        assert 0.995 * count <= n <= count, (name, n)
+    args = train_gpt2.parse_args(["--model", "gpt2-medium", "--n-layer", "2"])
+    assert (args.n_layer, args.n_head, args.n_embd) == (2, 16, 1024)
+    assert (lambda a: (a.n_layer, a.n_head, a.n_embd))(train_gpt2.parse_args([])) == (12, 12, 768)
