@@ -36,9 +36,11 @@ from data.shards import ShardError, ShardReader
 from errors import UserError, WriteError, run_cli
 from kernels import BACKENDS as KERNEL_BACKENDS, check_backend
 from kernels.logit_max import causal_logit_max
-from training.checkpoints import (checkpoint_path, checkpoint_payload, find_resume_checkpoint, restore, save_atomic,
-                                  save_checkpoint)
+from training.checkpoints import (check_resumable, checkpoint_path, checkpoint_payload, find_resume_checkpoint, restore,
+                                  restore_run, run_payload, save_atomic, save_checkpoint)
 from training.auto_assign import AutoAssign
+from training.fsdp import check_fsdp_flags, shard_model, whole
+from training.sharded_checkpoints import find_sharded_resume, load_sharded, save_sharded, sharded_checkpoint_path
 from training.diagnostics import AttentionProbe, matrix_stats
 from training.qk_clip import QKClip
 from training.run_dir import RunLock, check_out_dir, check_shared_out_dir, clear_run, remove_leftovers
@@ -112,6 +114,11 @@ def add_run_flags(a):
     a.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="autocast precision of the forward pass; auto = bfloat16 on cuda, float32 on cpu. "
                         "Master weights and the manifold optimizer stay float32")
+    a.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
+                   help="shard parameters, gradients and optimizer state over torchrun's processes (FSDP2 "
+                        "per block; ManifoldMuon steps the sharded matrices; checkpoints are "
+                        "torch.distributed.checkpoint folders). Without it every process holds the whole "
+                        "model (DDP)")
     a.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile the model (GPU runs)")
     a.add_argument("--wandb", choices=("off", "offline", "online"), default="off",
@@ -315,6 +322,8 @@ def validate_args(args, world_size=None):
             raise UserError("--cuda-graph needs the sync-free step: --solver-opt capturable=on "
                             "(auto is on only on GPUs)")
     args.grad_accum = grad_accum_steps(args, world_size or int(os.environ.get("WORLD_SIZE", "1")))
+    if args.fsdp:
+        check_fsdp_flags(args, world_size or int(os.environ.get("WORLD_SIZE", "1")))
     if args.assign.strip() == "auto":
         if args.auto_base.strip() == "auto":
             raise UserError("--auto-base must be a preset or key=manifold spec, not auto")
@@ -421,9 +430,12 @@ def all_reduce_sum(values, env, device):
 
 @torch.no_grad()
 def replica_max_abs_diff(model, env):
-    """max |theta_rank - theta_rank0| over all parameters and ranks (0 on one process)."""
+    """max |theta_rank - theta_rank0| over all parameters and ranks (0 on one process; None under
+    --fsdp, where ranks hold different parts, not replicas)."""
     if env.world_size == 1:
         return 0.0
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+        return None
     flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     reference = flat.clone()
     dist.broadcast(reference, src=0)
@@ -733,8 +745,9 @@ def max_violations(matrices, args):
     """{manifold: max violation over the Muon matrices (or row blocks) assigned to it}."""
     out = {}
     for _, p, _, blocks, transposed in (Matrix(*matrix) for matrix in matrices):
+        p = whole(p.detach())  # under --fsdp gathered one matrix at a time, on every rank
         for _, lo, hi, manifold in blocks:
-            violation = manifold_violation(p.detach()[lo:hi], manifold, args.dgram_cap, transposed)
+            violation = manifold_violation(p[lo:hi], manifold, args.dgram_cap, transposed)
             # NaN (blown-up weights) must win: max() would silently drop it
             out[manifold] = max(out.get(manifold, 0.0), violation, key=lambda v: math.inf if math.isnan(v) else v)
     return out
@@ -788,7 +801,8 @@ def evaluate_and_diagnose(model, matrices, stream, args, device, autocast, env=D
     if probe is None:
         return val_loss, eval_tokens, {}
     t1 = time.perf_counter()
-    fields = {**probe.results(), **matrix_stats(matrices, args.dgram_cap)}
+    # the weights' diagnostics need whole matrices: not under --fsdp (yet)
+    fields = {**probe.results(), **(matrix_stats(matrices, args.dgram_cap) if not args.fsdp else {})}
     weights_ms = 1000 * (time.perf_counter() - t1)
     return val_loss, eval_tokens, {**fields, "eval_ms": 1000 * (t1 - t0) - probe.ms,
                                    "diagnostics_ms": probe.ms + weights_ms}
@@ -936,11 +950,14 @@ def setup(args, env, cleanup):
     val_windows(val_stream, args)  # too short a val split is an error now, not at the first eval
     say = print if env.is_main else (lambda *a, **k: None)
     open_out_dir(args, env, cleanup, say)
-    resume_path, payload = find_resume_checkpoint(args, say) if args.resume else (None, None)
+    find = find_sharded_resume if args.fsdp else find_resume_checkpoint
+    resume_path, payload = find(args, say) if args.resume else (None, None)
 
     torch.manual_seed(args.seed)  # the same initialisation on every rank
     model = GPT(GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size,
                           qk_norm=args.qk_norm, attn_softcap=args.attn_softcap)).to(device)
+    if args.fsdp:  # before the optimizers: they take the sharded parameters
+        shard_model(model, device, dtype)
     auto = None
     if args.assign.strip() == "auto":
         auto = AutoAssign(args.n_layer, args.auto_logit_max, args.auto_saturation, args.auto_sigma_growth)
@@ -990,7 +1007,14 @@ def resume(run, payload, path):
     """Continue from a checkpoint: weights, optimizer states, RNGs, QK-Clip, losses and step."""
     if run.qk_clip is not None and "qk_clip" in payload:
         run.qk_clip.load_state_dict(payload["qk_clip"])
-    solver_changes = restore(payload, run.model, run.adamw, run.muon, run.args)
+    if os.path.isdir(path):  # an --fsdp run's DCP folder, into this run's layout at any number of ranks
+        check_resumable(payload, run.args)
+        if not run.args.fsdp:
+            run.muon.init_state()  # every key of the sharded state, so that DCP loads them
+        load_sharded(path, run.model, [run.muon, run.adamw])
+        solver_changes = restore_run(payload, run.args)
+    else:
+        solver_changes = restore(payload, run.model, run.adamw, run.muon, run.args)
     if solver_changes:
         run.say("note: solver options differ from the checkpoint's; this run's apply: "
                 + ", ".join(f"{k} {old} -> {new}" for k, (old, new) in solver_changes.items()))
@@ -1005,9 +1029,10 @@ def resume(run, payload, path):
 
 def forward_model(model, args, env, device):
     """The module the training forward runs: `model`, compiled under --compile, and on several
-    processes in DDP (the gradient all-reduce, bucketed and overlapped with the backward)."""
+    processes in DDP (the gradient all-reduce, bucketed and overlapped with the backward) unless
+    --fsdp sharded it (its reduce-scatters are hooked into the backward already)."""
     step_model = torch.compile(model) if args.compile else model
-    if env.world_size > 1:
+    if env.world_size > 1 and not args.fsdp:
         # broadcast_buffers=False: the only buffers are QK-Clip's per-rank logit maxima (reduced in QKClip.step)
         step_model = DDP(step_model, device_ids=[env.local_rank] if device.type == "cuda" else None,
                          broadcast_buffers=False)
@@ -1042,7 +1067,7 @@ def communication_bytes_per_step(model, muon, env):
     (2 (N-1)/N of the gradient bytes) plus the all-gather of the Muon banks ((N-1)/N of
     the padded bank bytes). fp32 throughout."""
     n = env.world_size
-    if n == 1:
+    if n == 1 or any(hasattr(p, "full_tensor") for p in model.parameters()):  # --fsdp: bench.sharded_bytes
         return 0
     grads = 4 * sum(p.numel() for p in model.parameters())
     banks = 4 * muon.all_gather_elements()
@@ -1094,13 +1119,15 @@ def train_step(run, step, prefetch, stop):
     for micro in range(args.grad_accum):
         x, y = next_batch(run, prefetch, step, micro)
         last = micro == args.grad_accum - 1
-        # gradients are all-reduced once, on the last micro-step
-        with contextlib.nullcontext() if last or run.env.world_size == 1 else run.step_model.no_sync():
+        # gradients are all-reduced (reduce-scattered under --fsdp) once, on the last micro-step
+        if args.fsdp:
+            run.model.set_requires_gradient_sync(last)
+        with contextlib.nullcontext() if last or run.env.world_size == 1 or args.fsdp else run.step_model.no_sync():
             with run.autocast:
                 loss = run.step_model(x, y) / args.grad_accum
             loss.backward()
         loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip or math.inf)
+    grad_norm = whole(torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip or math.inf))
     synchronize(run.device)
     t_opt = time.perf_counter()
     run.adamw.step()
@@ -1177,7 +1204,8 @@ def evaluate_and_log(run, step):
         log_row(run, step=step + 1, val_loss=run.val_loss, eval_tokens=eval_tokens,
                 replica_max_abs_diff=replica_diff, **fields)
     run.say(f"step {step + 1:6d} | val loss {run.val_loss:.4f} ({eval_tokens:,} tokens)"
-            + (f" | replicas differ by {replica_diff:.1e}" if run.env.world_size > 1 else ""), flush=True)
+            + (f" | replicas differ by {replica_diff:.1e}" if replica_diff is not None and run.env.world_size > 1
+               else ""), flush=True)
     if run.auto is not None:
         auto_switch(run, step, fields)
 
@@ -1236,6 +1264,9 @@ def save(run, steps_done, prefix="ckpt"):
     """Checkpoint the run after `steps_done` steps: ckpt_<steps>.pt in the rotation of
     --keep-ckpts, or <prefix>_<steps>.pt. A collective (Muon's state is gathered from every
     rank); rank 0 writes, and a failed write stops every rank here (exchange_status)."""
+    if run.args.fsdp:
+        save_sharded_checkpoint(run, steps_done, prefix)
+        return
     muon_state = run.muon.consolidated_state_dict()
     if run.env.is_main:
         losses = {"best_val_loss": run.best_val, "val_loss": run.val_loss, "train_loss": run.train_loss}
@@ -1253,6 +1284,18 @@ def save(run, steps_done, prefix="ckpt"):
                 save_atomic(state, checkpoint_path(run.args.out_dir, steps_done, prefix))
         except WriteError as err:
             keep_failure(run, err)
+    exchange_status(run)
+
+
+def save_sharded_checkpoint(run, steps_done, prefix):
+    """save() under --fsdp: a DCP folder (training/sharded_checkpoints.py); every rank writes its shards."""
+    losses = {"best_val_loss": run.best_val, "val_loss": run.val_loss, "train_loss": run.train_loss}
+    payload = {**run_payload(steps_done, losses, run.args), "train_shards": run.train_stream.fingerprint()}
+    try:
+        save_sharded(sharded_checkpoint_path(run.args.out_dir, steps_done, prefix), run.model, [run.muon, run.adamw],
+                     payload, keep=run.args.keep_ckpts if prefix == "ckpt" else None)
+    except WriteError as err:
+        keep_failure(run, err)
     exchange_status(run)
 
 

@@ -211,6 +211,27 @@ class ManifoldMuon(torch.optim.Optimizer):
         if hasattr(self, "plan"):
             self._init_sharded_state(group)
 
+    @torch.no_grad()
+    def init_state(self):
+        """Create every parameter's state now, zero, as a sharded optimizer has it from
+        construction: so that torch.distributed.checkpoint can load a checkpoint of a sharded run
+        (every key present) into this one. A replicated piece keeps its warm start as before: used
+        once present, so call this only to load a checkpoint that has them."""
+        for group in self.param_groups:
+            if group.get("algorithm") == "adamw":
+                for p in group["params"]:
+                    self._adamw_state(p)
+                continue
+            for p in group["params"]:
+                if not is_sharded(p):
+                    self.state[p].setdefault("step", torch.tensor(0.0))
+                    self.state[p].setdefault("momentum_buffer", torch.zeros_like(p, dtype=torch.float32))
+            self._init_sharded_state(group)
+        for piece in self.pieces():
+            if not is_sharded(piece.param) and sharded.keeps_warm_start(piece, self.options):
+                self.state[piece.param].setdefault(piece.dual_key, torch.zeros(
+                    sharded.warm_shape(piece), dtype=torch.float32, device=piece.param.device))
+
     def _init_sharded_state(self, group):
         """The state of a group's sharded parameters, created now: every rank has the same keys
         before the first step, as torch.distributed.checkpoint's get_state_dict needs."""

@@ -255,18 +255,29 @@ def find_resume_checkpoint(args, say):
             raise UserError(f"--resume auto: none of the {len(found)} checkpoint(s) in --out-dir {args.out_dir} "
                             "loads (each is reported above); move them away to start afresh")
         return path, payload
+    if os.path.isdir(args.resume):  # an --fsdp run's folder: resumed unsharded (training/sharded_checkpoints.py)
+        from training.sharded_checkpoints import load_run_payload, verify_sharded
+        problem = verify_sharded(args.resume)
+        if problem is not None:
+            raise UserError(problem)
+        return args.resume, load_run_payload(args.resume)
     try:
         return args.resume, load_checkpoint(args.resume)
     except ValueError as err:
         raise UserError(str(err)) from None
 
 
-def checkpoint_payload(step, model, adamw, muon_state, losses, args):
-    return {"format": FORMAT, "step": step, "model": model.state_dict(),
-            "adamw": adamw.state_dict(), "muon": muon_state, **losses,
+def run_payload(step, losses, args):
+    """What a checkpoint holds besides the model's and optimizers' tensors."""
+    return {"format": FORMAT, "step": step, **losses,
             "args": {k: v for k, v in vars(args).items() if k != "assignment"},
             "rng": {"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
+
+
+def checkpoint_payload(step, model, adamw, muon_state, losses, args):
+    return {**run_payload(step, losses, args), "model": model.state_dict(), "adamw": adamw.state_dict(),
+            "muon": muon_state}
 
 
 def solver_settings(args):
@@ -281,6 +292,18 @@ def restore(payload, model, adamw, muon, args):
     """Load a checkpoint into the model, the optimizers and the RNGs. Returns {solver option:
     (checkpoint's value, this run's)} for the solver options this run changes: they are this
     run's flags (they change cost and accuracy, not what is trained), and so is --dgram-cap."""
+    check_resumable(payload, args)
+    model.load_state_dict(payload["model"])
+    adamw.load_state_dict(payload["adamw"])
+    caps = [group.get("dgram_cap") for group in muon.param_groups]
+    muon.load_state_dict(payload["muon"])  # brings back the checkpoint's group options
+    for group, cap in zip(muon.param_groups, caps):
+        group["dgram_cap"] = cap
+    return restore_run(payload, args)
+
+
+def check_resumable(payload, args):
+    """UserError unless this run may continue the checkpoint (RESUME_FIXED_ARGS)."""
     saved = payload["args"]
     fixed = RESUME_FIXED_ARGS + (("auto_base",) if args.assign.strip() == "auto" else ())
     changed = [k for k in fixed if k in saved and saved[k] != getattr(args, k)]
@@ -288,14 +311,12 @@ def restore(payload, model, adamw, muon, args):
         raise UserError("cannot resume: the checkpoint was written with a different "
                         + ", ".join(f"--{k.replace('_', '-')} ({saved.get(k)} there, {getattr(args, k)} now)"
                                     for k in changed))
-    model.load_state_dict(payload["model"])
-    adamw.load_state_dict(payload["adamw"])
-    caps = [group.get("dgram_cap") for group in muon.param_groups]
-    muon.load_state_dict(payload["muon"])  # brings back the checkpoint's group options
-    for group, cap in zip(muon.param_groups, caps):
-        group["dgram_cap"] = cap
+
+
+def restore_run(payload, args):
+    """The RNGs of a checkpoint; returns {solver option: (checkpoint's value, this run's)} changed."""
     torch.set_rng_state(payload["rng"]["cpu"])
     if payload["rng"]["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
-    before, now = solver_settings(saved), solver_settings(vars(args))
+    before, now = solver_settings(payload["args"]), solver_settings(vars(args))
     return {k: (before[k], now[k]) for k in now if before[k] != now[k]}

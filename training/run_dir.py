@@ -17,6 +17,7 @@
 import fcntl
 import glob
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -58,7 +59,10 @@ def remove_leftovers(out_dir):
     """Delete the temporary files of unfinished writes in out_dir; returns their names."""
     removed = []
     for path in sorted(glob.glob(os.path.join(out_dir, "*.tmp"))):
-        os.remove(path)
+        if os.path.isdir(path):  # an --fsdp checkpoint folder not finished (training/sharded_checkpoints.py)
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
         removed.append(os.path.basename(path))
     return removed
 
@@ -104,8 +108,10 @@ def check_out_dir(args):
                         "or --overwrite to start afresh there")
     if args.resume is not None and args.overwrite:
         raise UserError("--resume and --overwrite contradict each other")
-    if args.resume not in (None, "auto") and not os.path.isfile(args.resume):
-        raise UserError(f"--resume {args.resume}: no such checkpoint file")
+    if args.resume not in (None, "auto") and not (os.path.isfile(args.resume) or args.resume.rstrip("/").endswith(".dcp")
+                                                  and os.path.isdir(args.resume)):
+        raise UserError(f"--resume {args.resume}: no such checkpoint (a ckpt_<step>.pt file, or an --fsdp run's "
+                        f"ckpt_<step>.dcp folder)")
     existing = args.out_dir
     while not os.path.exists(existing):
         existing = os.path.dirname(os.path.abspath(existing))
@@ -121,3 +127,5 @@ def clear_run(out_dir):
                  + glob.glob(os.path.join(out_dir, "*.pt.sha256"))):
         if os.path.exists(path):
             os.remove(path)
+    for path in glob.glob(os.path.join(out_dir, "*.dcp")):  # --fsdp checkpoint folders
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,44 @@
+"""--fsdp: the trainer's model sharded by FSDP2 over torchrun's processes.
+
+Each transformer block, then the whole model, is wrapped by `fully_shard` on a 1-D mesh of every
+rank (parameters, gradients and optimizer state split by rows over the ranks; a block's weights
+are gathered for its forward and again for its backward, then freed). On CUDA with a bf16
+forward, parameters are gathered in bf16 and gradients reduced in fp32 (the sharded master
+weights stay fp32); on CPU everything is fp32. ManifoldMuon steps the sharded matrices itself
+(manifolds/sharded.py) and torch's AdamW the rest.
+"""
+import torch
+import torch.distributed as dist
+
+from errors import UserError
+
+
+def shard_model(model, device, dtype):
+    """Wrap `model` (our GPT) in place: fully_shard per block, then at the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if device.type == "cuda" and dtype == "bfloat16" else MixedPrecisionPolicy())
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def whole(tensor):
+    """The whole tensor of a DTensor (a collective: every rank calls it), else the tensor."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def check_fsdp_flags(args, world_size):
+    """UserError for what --fsdp does not support (yet)."""
+    if world_size < 2:
+        raise UserError("--fsdp shards the model over torchrun's processes: launch it with torchrun "
+                        "--nproc_per_node N, N >= 2 (one process trains unsharded without --fsdp)")
+    unsupported = {"--qk-clip": bool(args.qk_clip), "--assign auto": args.assign.strip() == "auto",
+                   "--cuda-graph on": args.cuda_graph == "on"}
+    named = [flag for flag, given in unsupported.items() if given]
+    if named:
+        raise UserError(f"--fsdp does not support {', '.join(named)} yet (they rescale, reassign or capture "
+                        f"whole matrices on every rank); run them without --fsdp")
