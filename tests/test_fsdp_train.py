@@ -1,0 +1,95 @@
+"""train_gpt2.py --fsdp on 2 gloo ranks: the same training as DDP, DCP checkpoints that resume on
+2 ranks (--fsdp) and on 1 (unsharded), and a corrupt shard file refused.
+
+The launches are shared by the checks (a module fixture): per assignment one --fsdp run (30 steps,
+a checkpoint every 15) and one DDP run; for hetero, resumes of its step-15 checkpoint on 2 ranks
+with --fsdp and on 1 rank without, and a --resume auto over a copy whose step-30 checkpoint has a
+corrupt shard file."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from synthetic import make_shards
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASSIGNS = ["hetero", "all-dgram", "all-stiefel"]
+RUN = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--vocab-size", "64",
+       "--total-batch-size", "8", "--device", "cpu", "--wandb", "off", "--log-every", "1000", "--max-steps", "30",
+       "--warmup-steps", "5", "--lr", "3e-3", "--min-lr", "3e-4", "--muon-lr", "0.05", "--eval-every", "30",
+       "--eval-tokens", "1024"]
+
+
+def launch(nproc, data_dir, out_dir, *extra, expect_ok=True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["--data-dir", data_dir, "--out-dir", str(out_dir), *RUN, "--batch-size", str(8 // nproc), *extra]
+    script = os.path.join(ROOT, "train_gpt2.py")
+    cmd = ([sys.executable, script, *args] if nproc == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args])
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if expect_ok:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def train_losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {row["step"]: row["train_loss"] for row in map(json.loads, f) if "train_loss" in row}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    data = make_shards(str(root / "data"))
+    out = {"root": root}
+    for assign in ASSIGNS:
+        launch(2, data, root / f"fsdp-{assign}", "--assign", assign, "--fsdp", "--ckpt-every", "15")
+        launch(2, data, root / f"ddp-{assign}", "--assign", assign)
+    step15 = str(root / "fsdp-hetero" / "ckpt_00000015.dcp")
+    launch(2, data, root / "resumed-fsdp", "--fsdp", "--resume", step15)
+    launch(1, data, root / "resumed-one", "--resume", step15)
+    corrupt = root / "corrupt"
+    shutil.copytree(root / "fsdp-hetero", corrupt)
+    shard = corrupt / "ckpt_00000030.dcp" / "__1_0.distcp"
+    data_bytes = bytearray(shard.read_bytes())
+    data_bytes[len(data_bytes) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data_bytes))
+    os.remove(corrupt / "summary.json")
+    out["corrupt"] = launch(2, data, corrupt, "--fsdp", "--resume", "auto")
+    return out
+
+
+@pytest.mark.parametrize("assign", ASSIGNS)
+def test_fsdp_trains_as_ddp(runs, assign):
+    fsdp, ddp = (train_losses(runs["root"] / f"{kind}-{assign}") for kind in ("fsdp", "ddp"))
+    assert sorted(fsdp) == sorted(ddp) == list(range(1, 31))
+    gap = max(abs(fsdp[s] - ddp[s]) for s in ddp)
+    print(f"{assign}: --fsdp vs DDP, 2 ranks, 30 steps: largest train-loss difference {gap:.1e}")
+    assert gap <= 1e-4
+    with open(runs["root"] / f"fsdp-{assign}" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["status"] == "completed" and max(summary["max_manifold_violation"].values()) <= 1e-4
+    folders = sorted(os.listdir(runs["root"] / f"fsdp-{assign}"))
+    assert [f for f in folders if f.endswith(".dcp")] == ["ckpt_00000015.dcp", "ckpt_00000030.dcp"]
+    assert not [f for f in folders if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("where", ["resumed-fsdp", "resumed-one"])
+def test_an_fsdp_checkpoint_resumes_on_two_sharded_ranks_and_on_one_unsharded(runs, where):
+    straight, resumed = train_losses(runs["root"] / "fsdp-hetero"), train_losses(runs["root"] / where)
+    assert sorted(resumed) == list(range(16, 31))  # resumed at step 15, trained 16..30
+    gap = max(abs(resumed[s] - straight[s]) for s in resumed)
+    print(f"{where}: resumed steps 16-30 within {gap:.1e} of the straight run")
+    assert gap <= 1e-4
+
+
+def test_a_corrupt_shard_file_is_refused_and_the_previous_checkpoint_resumes(runs):
+    result = runs["corrupt"]
+    assert "skipping" in result.stdout and "__1_0.distcp" in result.stdout and "SHA-256" in result.stdout, \
+        result.stdout[-2000:]
+    assert "resuming from" in result.stdout and "ckpt_00000015.dcp at step 15" in result.stdout
+    straight, resumed = train_losses(runs["root"] / "fsdp-hetero"), train_losses(runs["root"] / "corrupt")
+    assert all(abs(resumed[s] - straight[s]) <= 1e-4 for s in range(16, 31))
