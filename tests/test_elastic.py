@@ -168,7 +168,8 @@ def test_a_write_error_on_rank_0_stops_every_rank_with_its_message(data_dir, tmp
     assert summary["status"] == "write_failed" and f"ckpt_{summary['steps']:08d}.pt" in error0
 
 
-def test_a_bad_shard_read_by_rank_1_alone_stops_every_rank_with_its_error(tmp_path):
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_a_bad_shard_read_by_rank_1_alone_stops_every_rank_with_its_error(tmp_path, sharding):
     """A token out of the vocabulary in the one window that rank 1 reads first at step 6 (a shard
     of other data): rank 1 alone meets it, and both ranks stop at that step with status 2 and
     rank 1's error: line (printed once, by rank 0, as every user error under torchrun)."""
@@ -184,14 +185,14 @@ def test_a_bad_shard_read_by_rank_1_alone_stops_every_rank_with_its_error(tmp_pa
     with open(stream.paths[shard], "r+b") as f:
         f.seek(HEADER_BYTES + 2 * (position - int(stream.offsets[shard])))
         f.write((60000).to_bytes(2, "little"))
-    ranks = start_two_ranks(data, tmp_path / "run", "--max-steps", "10")
+    ranks = start_two_ranks(data, tmp_path / "run", "--max-steps", "10", *sharding)
     try:
         outputs = [p.communicate(timeout=120) for p in ranks]
     finally:
         for p in ranks:
             if p.poll() is None:
                 p.kill()
-    errors = [err.strip().splitlines()[-1] for _, err in outputs]
+    errors = [err.strip().splitlines()[-1] if err.strip() else "" for _, err in outputs]
     assert [p.returncode for p in ranks] == [2, 2], errors
     assert errors[0].startswith("error: token id 60000 >= --vocab-size 64 in ") and errors[0].endswith(
         "the shards do not match this model (on rank 1)"), errors[0]

@@ -23,12 +23,13 @@ RUN = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "
        "--eval-tokens", "1024"]
 
 
-def launch(nproc, data_dir, out_dir, *extra, expect_ok=True):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def launch(nproc, data_dir, out_dir, *extra, expect_ok=True, restarts=0, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     args = ["--data-dir", data_dir, "--out-dir", str(out_dir), *RUN, "--batch-size", str(8 // nproc), *extra]
     script = os.path.join(ROOT, "train_gpt2.py")
     cmd = ([sys.executable, script, *args] if nproc == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args])
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            f"--max-restarts={restarts}", script, *args])
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     if expect_ok:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -59,6 +60,11 @@ def runs(tmp_path_factory):
     shard.write_bytes(bytes(data_bytes))
     os.remove(corrupt / "summary.json")
     out["corrupt"] = launch(2, data, corrupt, "--fsdp", "--resume", "auto")
+    # rank 1 SIGKILLs itself after step 20 (the trainer's test-only hook) in torchrun's first attempt;
+    # --max-restarts 1 reruns the command, which resumes from checkpoint 15
+    out["killed"] = launch(2, data, root / "killed", "--assign", "hetero", "--fsdp", "--ckpt-every", "15",
+                           "--resume", "auto", "--log-every", "1", restarts=1,
+                           env={"MMUON_FAULT_STEP": "20", "MMUON_FAULT_RANK": "1"})
     return out
 
 
@@ -93,3 +99,13 @@ def test_a_corrupt_shard_file_is_refused_and_the_previous_checkpoint_resumes(run
     assert "resuming from" in result.stdout and "ckpt_00000015.dcp at step 15" in result.stdout
     straight, resumed = train_losses(runs["root"] / "fsdp-hetero"), train_losses(runs["root"] / "corrupt")
     assert all(abs(resumed[s] - straight[s]) <= 1e-4 for s in range(16, 31))
+
+
+def test_a_rank_killed_under_torchrun_max_restarts_resumes_and_ends_as_the_straight_run(runs):
+    result = runs["killed"]
+    first, second = result.stdout.split("resuming from ")
+    assert "starting afresh" in first and f"step {19:6d}/30" in first, result.stdout[-3000:]
+    assert second.startswith(f"{runs['root'] / 'killed' / 'ckpt_00000015.dcp'} at step 15"), second[:200]
+    assert train_losses(runs["root"] / "killed") == train_losses(runs["root"] / "fsdp-hetero")  # bitwise
+    with open(runs["root"] / "killed" / "summary.json") as f:
+        assert json.load(f)["status"] == "completed"
