@@ -109,3 +109,17 @@ def test_a_rank_killed_under_torchrun_max_restarts_resumes_and_ends_as_the_strai
     assert train_losses(runs["root"] / "killed") == train_losses(runs["root"] / "fsdp-hetero")  # bitwise
     with open(runs["root"] / "killed" / "summary.json") as f:
         assert json.load(f)["status"] == "completed"
+
+
+def test_sample_export_and_hellaswag_read_an_fsdp_checkpoint_folder(runs):
+    """training.model_io (their one loader) gathers the folder's model whole: the same weights, to the
+    runs' own agreement, as the DDP run's final one-file checkpoint."""
+    import torch
+    from training.model_io import find_checkpoint, load_model
+    path, payload = find_checkpoint(out_dir=str(runs["root"] / "fsdp-hetero"))
+    assert path.endswith("ckpt_00000030.dcp") and payload["step"] == 30
+    sharded = load_model(payload).state_dict()
+    _, payload = find_checkpoint(checkpoint=str(runs["root"] / "ddp-hetero" / "ckpt_00000030.pt"))
+    replicated = load_model(payload).state_dict()
+    assert sharded.keys() == replicated.keys()
+    assert max((sharded[k] - replicated[k]).abs().max().item() for k in sharded) <= 1e-4

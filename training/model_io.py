@@ -12,11 +12,13 @@ and the tokenizer cannot decode them, so every consumer here treats their logits
 """
 import argparse
 import os
+import warnings
 
 import torch
 
 from errors import UserError
-from training.checkpoints import load_checkpoint, load_newest
+from training.checkpoints import list_checkpoints, load_checkpoint, load_newest
+from training.sharded_checkpoints import list_sharded_checkpoints, load_run_payload, verify_sharded
 from train_gpt2 import GPT, GPTConfig
 
 GPT2_VOCAB = 50257  # tokens of the GPT-2 BPE, end-of-text (50256) included
@@ -25,20 +27,49 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile, should a 
 
 
 def find_checkpoint(checkpoint=None, out_dir=None, say=print):
-    """(path, payload) of --checkpoint PATH or of the newest checkpoint that loads in --out-dir."""
+    """(path, payload) of --checkpoint PATH or of the newest checkpoint that loads in --out-dir: a
+    ckpt_<step>.pt file, or an --fsdp run's ckpt_<step>.dcp folder (its model gathered whole here)."""
     if checkpoint is not None:
+        if os.path.isdir(checkpoint):
+            return checkpoint, sharded_payload(checkpoint)
         if not os.path.isfile(checkpoint):
-            raise UserError(f"--checkpoint {checkpoint}: no such file")
+            raise UserError(f"--checkpoint {checkpoint}: no such file or checkpoint folder")
         try:
             return checkpoint, load_checkpoint(checkpoint)
         except ValueError as err:
             raise UserError(str(err)) from None
     if not os.path.isdir(out_dir):
         raise UserError(f"--out-dir {out_dir}: no such folder")
+    newest_file = next(iter(list_checkpoints(out_dir)), None)
+    for folder in list_sharded_checkpoints(out_dir):  # an --fsdp run's, unless a newer file is there
+        if newest_file is not None and os.path.basename(newest_file)[:-3] > os.path.basename(folder)[:-4]:
+            break
+        try:
+            return folder, sharded_payload(folder)
+        except UserError as err:
+            say(f"skipping {err}")
     path, payload = load_newest(out_dir, say)
     if payload is None:
-        raise UserError(f"--out-dir {out_dir}: no checkpoint that loads (ckpt_<step>.pt)")
+        raise UserError(f"--out-dir {out_dir}: no checkpoint that loads (ckpt_<step>.pt or ckpt_<step>.dcp)")
     return path, payload
+
+
+def sharded_payload(folder):
+    """An --fsdp checkpoint folder as a one-file checkpoint's payload: its run.pt, and under "model"
+    the whole model's state, read from the shards by torch.distributed.checkpoint (no process group)."""
+    import torch.distributed.checkpoint as dcp
+    problem = verify_sharded(folder)
+    if problem is not None:
+        raise UserError(problem)
+    try:
+        payload = load_run_payload(folder)
+    except (OSError, RuntimeError, ValueError) as err:
+        raise UserError(f"{folder}: {err}") from None
+    state = {"model": GPT(model_config(payload)).state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=folder)
+    return {**payload, "model": state["model"]}
 
 
 def model_config(payload):
