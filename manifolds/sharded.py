@@ -16,7 +16,9 @@ work.piece_cost, as under DDP), and one step is
   4. back, one all_to_all_single: each rank receives its part of every new W and new Lambda and
      writes it in place into its local shard (FSDP's sharded storage).
 
-No rank gathers every matrix, and the collectives are two per shard group and step, whatever the
+No rank gathers every matrix. Steps 2-4 run per bucket of pieces (`buckets`, EXCHANGE_BUCKET
+elements of W per rank), so that an owner holds one bucket's matrices whole at a time, not all of
+its own: two collectives per bucket (GPT-2 small on 8 ranks: one bucket; XL: 9), whatever the
 data. Per step a rank sends about (2 |W| + |Lambda|) (P-1)/P^2 and receives (|W| + |Lambda|)
 (P-1)/P^2 elements summed over the matrices, where |Lambda| = q^2 (0 for plain Muon, the exact
 square Stiefel step and the reference solver, which keep no warm start): 3/P of one fp32
@@ -179,11 +181,10 @@ def dual_rows(piece, layout, index):
 class ShardedStep:
     """One step of the sharded pieces of one shard group (module docstring)."""
 
-    def __init__(self, optimizer, layout, banks, all_pieces):
-        """banks: [(name, pieces)] of this group's pieces with gradients, in bank order (the same
-        on every rank); all_pieces: every piece of this group, for the owners (stable over steps)."""
+    def __init__(self, optimizer, layout, banks, owners):
+        """banks: [(name, pieces)] of one bucket of this group's pieces with gradients, in bank
+        order (the same on every rank); owners: {piece.key: rank} of the group's pieces."""
         self.opt, self.layout, self.banks = optimizer, layout, banks
-        owners = balanced(all_pieces, optimizer.plan, layout.size)
         self.owner = {piece.key: owners[piece.key] for _, pieces in banks for piece in pieces}
         self.warm = {piece.key: bool(optimizer.state[piece.param]["step"] > 0)
                      and keeps_warm_start(piece, optimizer.options) for _, pieces in banks for piece in pieces}
@@ -289,26 +290,73 @@ class ShardedStep:
                     offset += n
         if targets:
             torch._foreach_copy_(targets, sources)
-        for param in OrderedDict((id(piece.param), piece.param) for _, pieces in self.banks for piece in pieces).values():
-            opt.state[param]["step"] += 1
-        self.gather_stats([name for name, _ in self.banks], device)
 
-    def gather_stats(self, names, device):
-        """Every bank's statistics from the ranks that solved a share of it: one small all-gather."""
-        from manifolds.optimizer import STAT_FIELDS, STATS
-        mine = torch.full((len(names), STATS), -float("inf"), dtype=torch.float32, device=device)
-        for i, name in enumerate(names):
-            if name in self.opt.last_stats:
-                for j, field in enumerate(STAT_FIELDS):
-                    mine[i, j] = self.opt.last_stats[name][field]
-        shares = torch.empty(self.layout.size * mine.numel(), dtype=torch.float32, device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(shares, mine.reshape(-1), group=self.layout.group)
-        shares = shares.view(self.layout.size, len(names), STATS)
-        largest, fallbacks = shares[..., :2].amax(dim=0), shares[..., 2].clamp_min(0).sum(dim=0)
-        for i, name in enumerate(names):
-            self.opt.last_stats[name] = {"iterations": largest[i, 0], "residual": largest[i, 1],
-                                         "fallbacks": fallbacks[i]}
+
+# The exchange goes in buckets of pieces, each at most this many elements of W per rank of the group
+# (or the largest piece): what an owner holds at once (W, G and Lambda received, the same assembled,
+# the new W and Lambda sent back: about 3 (2 |W| + |Lambda|) fp32) is bounded by a bucket, not by all
+# of its matrices. 2^24 elements (64 MiB of fp32 W) per rank: GPT-2 XL at 8 ranks in 9 buckets
+# (bench/memory.py counts what it holds)
+EXCHANGE_BUCKET = 1 << 24
+
+
+def buckets(banks, ranks):
+    """The banks [(name, pieces)] cut into consecutive buckets of at most `ranks` x EXCHANGE_BUCKET
+    elements of W (a bucket holds at least one piece); each a list of (name, pieces)."""
+    numel = lambda piece: (piece.hi - piece.lo) * piece.param.size(1)  # noqa: E731
+    limit = ranks * max([EXCHANGE_BUCKET] + [numel(piece) for _, pieces in banks for piece in pieces])
+    out, current, size = [], OrderedDict(), 0
+    for name, pieces in banks:
+        for piece in pieces:
+            if size and size + numel(piece) > limit:
+                out.append(list(current.items()))
+                current, size = OrderedDict(), 0
+            current.setdefault(name, []).append(piece)
+            size += numel(piece)
+    if current:
+        out.append(list(current.items()))
+    return out
+
+
+def step_shard_group(optimizer, layout, banks, every, momenta):
+    """The step of one shard group's pieces with gradients (banks [(name, pieces)], the same on
+    every rank); every: all the group's pieces, for the owners (stable over steps)."""
+    owners = balanced(every, optimizer.plan, layout.size)
+    stats = {}
+    for bucket in buckets(banks, layout.size):
+        ShardedStep(optimizer, layout, bucket, owners).run(momenta)
+        for name, _ in bucket:  # a bank cut by buckets: the largest iterations and residual, all fallbacks
+            new = optimizer.last_stats.pop(name, None)
+            if new is not None:
+                stats[name] = new if name not in stats else merge_stats(stats[name], new)
+    optimizer.last_stats.update(stats)
+    for param in OrderedDict((id(piece.param), piece.param) for _, pieces in banks for piece in pieces).values():
+        optimizer.state[param]["step"] += 1
+    gather_stats(optimizer, layout, [name for name, _ in banks], local(banks[0][1][0].param).device)
+
+
+def merge_stats(a, b):
+    return {"iterations": torch.maximum(torch.as_tensor(a["iterations"]), torch.as_tensor(b["iterations"])),
+            "residual": torch.maximum(torch.as_tensor(a["residual"]), torch.as_tensor(b["residual"])),
+            "fallbacks": torch.as_tensor(a["fallbacks"]) + torch.as_tensor(b["fallbacks"])}
+
+
+def gather_stats(optimizer, layout, names, device):
+    """Every bank's statistics from the ranks that solved a share of it: one small all-gather."""
+    from manifolds.optimizer import STAT_FIELDS, STATS
+    mine = torch.full((len(names), STATS), -float("inf"), dtype=torch.float32, device=device)
+    for i, name in enumerate(names):
+        if name in optimizer.last_stats:
+            for j, field in enumerate(STAT_FIELDS):
+                mine[i, j] = optimizer.last_stats[name][field]
+    shares = torch.empty(layout.size * mine.numel(), dtype=torch.float32, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(shares, mine.reshape(-1), group=layout.group)
+    shares = shares.view(layout.size, len(names), STATS)
+    largest, fallbacks = shares[..., :2].amax(dim=0), shares[..., 2].clamp_min(0).sum(dim=0)
+    for i, name in enumerate(names):
+        optimizer.last_stats[name] = {"iterations": largest[i, 0], "residual": largest[i, 1],
+                                      "fallbacks": fallbacks[i]}
 
 
 def balanced(pieces, plan, world_size):

@@ -154,3 +154,19 @@ def test_gpu_check_dry_run(tmp_path):
     assert {"gpu_check.log", "summary.txt", "step_time.json", "optimizer.json", "train_metrics.jsonl",
             "train_summary.json"} <= set(files)
     assert not (work / "run").exists()  # the checkpoints are deleted
+
+
+def test_memory_counts_agree_with_a_live_step_and_fsdp_holds_under_a_sixth_of_ddp_for_xl_at_8_ranks():
+    from bench import memory
+    flags = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--vocab-size", "64",
+             "--total-batch-size", "2", "--batch-size", "1"]
+    args = memory.train_gpt2.parse_args(["--device", "cpu", *flags])
+    memory.train_gpt2.validate_args(args, world_size=2)
+    for (fsdp, rank), held in memory.live(flags).items():
+        assert held == memory.counted_rank(args, 2, rank, fsdp), (fsdp, rank)
+        assert all(held[c] > 0 for c in memory.CATEGORIES)
+    xl = memory.trainer_args("gpt2-xl")
+    ddp, fsdp = (memory.count(xl, 8, sharded) for sharded in (False, True))
+    total = lambda held: sum(held.values())  # noqa: E731
+    assert total(fsdp) <= total(ddp) / 6, total(fsdp) / total(ddp)
+    assert fsdp["parameters"] * 8 >= ddp["parameters"] > fsdp["parameters"] * 7.9  # 1/8, rows rounded up

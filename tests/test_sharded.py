@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation
+from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation, sharded
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -31,9 +31,9 @@ import train_gpt2  # noqa: E402
 BATCH, SEQ, VOCAB, STEPS = 6, 16, 64, 3
 RUNS = [("gpt", "muon"), ("gpt", "sgd"), ("gpt", "clients"), ("llama", "muon"), ("llama", "sgd")]
 # other layouts of the GPT, against the same one-process run: matrices split on columns
-# (shard_placement_fn; FSDP2 splits dimension 1 only evenly: 2 ranks), and HSDP's 2-D mesh
-# (Replicate, Shard(0)) with one replica
-LAYOUTS = {2: ["cols", "hsdp"], 3: ["hsdp"]}
+# (shard_placement_fn; FSDP2 splits dimension 1 only evenly: 2 ranks), HSDP's 2-D mesh
+# (Replicate, Shard(0)) with one replica, and the exchange cut into one bucket per piece
+LAYOUTS = {2: ["cols", "hsdp", "buckets"], 3: ["hsdp", "buckets"]}
 GPT_SPEC = "attn.q=stiefel,attn.k=oblique,attn.v=dgram,attn.proj=stiefel,mlp.fc=dgram,mlp.proj=none"
 CASES = {"gpt": GPT_SPEC, "llama": "hetero"}
 ADAMW = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.0}
@@ -154,8 +154,15 @@ def rank_main(rank, world_size, store, out_dir, checkpoint_in):
                   else mesh)
             model = shard(build("gpt"), on, layout)
             opt = optimizer(model, "gpt", "muon")
-            losses = train(model, opt, range(STEPS), rank, world_size)
-            results[f"gpt/muon/{layout}"] = {"losses": losses, "weights": gathered(model)}
+            bucket = sharded.EXCHANGE_BUCKET
+            if layout == "buckets":  # buckets of P largest pieces: every bank cut, q/k/v of one matrix apart
+                sharded.EXCHANGE_BUCKET = 1
+            try:
+                losses = train(model, opt, range(STEPS), rank, world_size)
+            finally:
+                sharded.EXCHANGE_BUCKET = bucket
+            results[f"gpt/muon/{layout}"] = {"losses": losses, "weights": gathered(model),
+                                             "stats": opt.stats()}
         if world_size == 2:  # a layout the exchange does not handle: one error naming it
             from torch.distributed.tensor import Shard, distribute_tensor
             two_d = init_device_mesh("cpu", (1, 2))
@@ -302,3 +309,6 @@ def test_columns_and_hsdp_layouts_train_as_one_process(runs, alone, layout, worl
     gap = largest_difference(runs[world_size][0][f"gpt/muon/{layout}"]["weights"], alone["gpt/muon"]["weights"])
     print(f"gpt muon, {layout} on {world_size} ranks: {gap:.1e} from one process")
     assert gap <= SENSITIVITY_FACTOR * alone["gpt/sensitivity"] + 1e-6
+    if layout == "buckets":  # each bank's statistics cover all of its buckets
+        straight = runs[world_size][0]["gpt/muon/hsdp"]["stats"]
+        assert runs[world_size][0]["gpt/muon/buckets"]["stats"].keys() == straight.keys()

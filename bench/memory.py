@@ -1,0 +1,232 @@
+"""Bytes per rank of parameters, gradients and optimizer state: DDP against --fsdp.
+
+    python -m bench.memory                      # the four presets at 1, 2, 4 and 8 ranks (counted)
+    python -m bench.memory --live               # + 2 gloo ranks on CPU: one real step of each, measured
+    python -m bench.memory --live --model gpt2 --n-layer 2 --live-only   # a quicker live check
+
+COUNTED from the tensors of the trainer's own model and optimizer groups built on the meta device
+(no memory allocated): each parameter's fp32 master weight and gradient, AdamW's two moments, and
+ManifoldMuon's momentum and dual warm starts, on the rank that holds them:
+  * DDP: every rank holds every parameter and gradient (and DDP's gradient buckets, as many bytes
+    again), AdamW's state of every parameter, and ManifoldMuon's state of the matrices it owns
+    (optimizer.balanced_owners); in flight, the step's flat all-gather of the new weights.
+  * --fsdp: rank r holds rows chunk r of every parameter (torch.chunk's split, as FSDP2), of its
+    gradient and of every optimizer state (manifolds/sharded.py); in flight (an ESTIMATE of the
+    transients): two blocks' gathered parameters (the one computing and the one prefetched, bf16 as
+    on a GPU) and one block's unsharded fp32 gradients, and the optimizer exchange of the largest
+    bucket (sharded.EXCHANGE_BUCKET) at its most loaded owner: what it receives, the assembled whole
+    matrices and what it sends back, 3 (2 |W| + |Lambda|) fp32.
+Activations are not counted (they depend on the micro-batch, not on sharding). The largest rank is
+reported. --live trains one step of a preset on 2 gloo ranks, DDP and --fsdp, and sums the bytes of
+the live tensors each rank holds (local shards under --fsdp) per category, beside the count for
+that rank: they must agree. The last line: FSDP's bytes per rank over DDP's, GPT-2 XL at 8 ranks.
+"""
+import argparse
+import multiprocessing
+import os
+import sys
+import tempfile
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import train_gpt2  # noqa: E402
+from manifolds import ManifoldMuon  # noqa: E402
+from manifolds.param_groups import assigned_matrices, muon_groups  # noqa: E402
+from manifolds import sharded  # noqa: E402
+from manifolds.sharded import chunk_range, keeps_warm_start, warm_shape  # noqa: E402
+
+CATEGORIES = ("parameters", "gradients", "adamw", "manifold_muon")
+RANKS = (1, 2, 4, 8)
+FP32, BF16 = 4, 2
+
+
+def trainer_args(model, *flags):
+    args = train_gpt2.parse_args(["--model", model, "--device", "cpu", *flags])
+    train_gpt2.validate_args(args, world_size=1)
+    return args
+
+
+def meta_model(args):
+    """The trainer's GPT and ManifoldMuon groups on the meta device (nothing allocated, nothing projected)."""
+    with torch.device("meta"):
+        model = train_gpt2.GPT(train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
+                                                    args.vocab_size))
+    groups = muon_groups(assigned_matrices(model, train_gpt2.layer_assignments(args, None)), args.dgram_cap)
+    return model, groups
+
+
+def local_numel(p, world, rank, sharded):
+    if not sharded:
+        return p.numel()
+    lo, hi = chunk_range(p.size(0), world, rank)
+    return (hi - lo) * (p.numel() // max(p.size(0), 1))
+
+
+def count(args, world, fsdp):
+    """{category: bytes} of the most loaded rank, with DDP's gradient buckets and "in_flight"."""
+    worst = max((counted_rank(args, world, rank, fsdp) for rank in range(world)), key=lambda h: sum(h.values()))
+    model, groups = meta_model(args)
+    muon = ManifoldMuon(groups, shard=False)
+    muon.world_size = world
+    # DDP's reducer keeps its own copy of every gradient in its buckets
+    worst["grad_buckets"] = 0 if fsdp or world == 1 else worst["gradients"]
+    worst["in_flight"] = in_flight(model, muon, world, fsdp)
+    return worst
+
+
+def in_flight(model, muon, world, fsdp):
+    """ESTIMATE of the transients (module docstring)."""
+    if not fsdp:  # the all-gather of the new weights: every rank's padded share, fp32
+        return muon.all_gather_elements() * FP32 if world > 1 else 0
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    every = list(muon.pieces())
+    owners = sharded.balanced(every, muon.plan, world)
+    exchange = 0
+    for bucket in sharded.buckets([(name, pieces) for name, pieces in muon.banks()], world):
+        for rank in range(world):
+            whole = sum(2 * (piece.hi - piece.lo) * piece.param.size(1)
+                        + (warm_shape(piece)[0] ** 2 if keeps_warm_start(piece, muon.options) else 0)
+                        for _, pieces in bucket for piece in pieces if owners[piece.key] == rank)
+            exchange = max(exchange, 3 * whole * FP32)  # received, assembled, sent back
+    return 2 * block * BF16 + block * FP32 + exchange
+
+
+def report(presets, ranks):
+    print("COUNTED on the meta device (in flight: an ESTIMATE); MiB per rank, the most loaded rank")
+    print(f"{'model':12} {'ranks':>5} {'layout':6} " + " ".join(f"{c:>14}" for c in CATEGORIES + ("grad_buckets",))
+          + f" {'persistent':>11} {'in flight':>10} {'total':>9}")
+    totals = {}
+    for preset in presets:
+        args = trainer_args(preset)
+        for world in ranks:
+            for fsdp in (False, True):
+                held = count(args, world, fsdp)
+                persistent = sum(held[c] for c in CATEGORIES) + held["grad_buckets"]
+                totals[preset, world, fsdp] = persistent + held["in_flight"]
+                print(f"{preset:12} {world:5d} {'fsdp' if fsdp else 'ddp':6} "
+                      + " ".join(f"{held[c] / 2**20:14.1f}" for c in CATEGORIES + ("grad_buckets",))
+                      + f" {persistent / 2**20:11.1f} {held['in_flight'] / 2**20:10.1f}"
+                      + f" {totals[preset, world, fsdp] / 2**20:9.1f}")
+    return totals
+
+
+# --- live: one real step on 2 gloo ranks --------------------------------------------------------
+
+def live_bytes(model, muon, adamw):
+    """{category: bytes} of the tensors this rank holds (the local parts of DTensors)."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    size = lambda t: local(t).numel() * local(t).element_size()  # noqa: E731
+    params = list(dict.fromkeys(model.parameters()))
+    held = {"parameters": sum(size(p) for p in params),
+            "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+            "adamw": sum(size(v) for state in adamw.state.values() for k, v in state.items()
+                         if k in ("exp_avg", "exp_avg_sq")),
+            "manifold_muon": sum(size(v) for state in muon.state.values() for k, v in state.items()
+                                 if k == "momentum_buffer" or k.startswith("dual"))}
+    return held
+
+
+def live_rank(rank, world, store, out, flags, fsdp):
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        args = train_gpt2.parse_args(["--device", "cpu", *flags, *(["--fsdp"] if fsdp else [])])
+        train_gpt2.validate_args(args, world_size=world)
+        torch.manual_seed(args.seed)
+        model = train_gpt2.GPT(train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
+                                                    args.vocab_size))
+        if fsdp:
+            train_gpt2.shard_model(model, torch.device("cpu"), "float32")
+        muon, adamw = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
+        step_model = model if fsdp else torch.nn.parallel.DistributedDataParallel(model)
+        tokens = torch.randint(0, args.vocab_size, (1, args.seq_len + 1), generator=torch.Generator().manual_seed(rank))
+        step_model(tokens[:, :-1], tokens[:, 1:]).backward()
+        adamw.step()
+        muon.step()  # gradients kept: counted as held during the step
+        torch.save(live_bytes(model, muon, adamw), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def live(flags, world=2):
+    """{(fsdp, rank): live bytes} of one real step of each layout on `world` gloo ranks."""
+    measured = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fsdp in (False, True):
+            context = multiprocessing.get_context("fork")
+            procs = [context.Process(target=live_rank, args=(r, world, os.path.join(tmp, f"store{fsdp}"),
+                                                             os.path.join(tmp, f"{fsdp}{r}.pt"), flags, fsdp))
+                     for r in range(world)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout=1800)
+            if any(p.exitcode != 0 for p in procs):
+                raise SystemExit(f"error: a live rank failed ({'--fsdp' if fsdp else 'DDP'})")
+            for r in range(world):
+                measured[fsdp, r] = torch.load(os.path.join(tmp, f"{fsdp}{r}.pt"))
+    return measured
+
+
+def counted_rank(args, world, rank, fsdp):
+    """{category: bytes} that rank `rank` of `world` holds, counted on the meta device."""
+    model, groups = meta_model(args)
+    muon = ManifoldMuon(groups, shard=False)
+    muon.world_size, muon.rank = world, rank
+    muon_params = {id(p) for g in groups for p in g["params"]}
+    held = {c: 0 for c in CATEGORIES}
+    for p in dict.fromkeys(model.parameters()):
+        n = local_numel(p, world, rank, fsdp)
+        held["parameters"] += FP32 * n
+        held["gradients"] += FP32 * n  # the tensors .grad (DDP's buckets: count())
+        if id(p) not in muon_params:
+            held["adamw"] += 2 * FP32 * n
+    owned = list(muon.pieces()) if fsdp else muon.owned_pieces()
+    for p in dict.fromkeys(piece.param for piece in owned):
+        held["manifold_muon"] += FP32 * local_numel(p, world, rank, fsdp)
+    for piece in owned:
+        if keeps_warm_start(piece, muon.options):
+            q = warm_shape(piece)[0]
+            lo, hi = chunk_range(q, world, rank) if fsdp else (0, q)
+            held["manifold_muon"] += FP32 * (hi - lo) * q
+    return held
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--live", action="store_true", help="also measure one real step on 2 gloo ranks (CPU)")
+    parser.add_argument("--live-only", action="store_true", help="only the live check (no table of presets)")
+    parser.add_argument("--model", default="gpt2", choices=train_gpt2.MODEL_PRESETS, help="the live check's preset")
+    parser.add_argument("--n-layer", type=int, default=None, help="the live check's blocks (default: the preset's)")
+    parser.add_argument("--seq-len", type=int, default=64, help="the live check's sequence length")
+    args = parser.parse_args(argv)
+    totals = {} if args.live_only else report(list(train_gpt2.MODEL_PRESETS), RANKS)
+    agree = True
+    if args.live or args.live_only:
+        flags = ["--model", args.model, "--seq-len", str(args.seq_len), "--total-batch-size", "2", "--batch-size", "1"]
+        if args.n_layer:
+            flags += ["--n-layer", str(args.n_layer)]
+        trainer = train_gpt2.parse_args(["--device", "cpu", *flags])
+        train_gpt2.validate_args(trainer, world_size=2)
+        shown = ["--model", args.model] + (["--n-layer", str(args.n_layer)] if args.n_layer else [])
+        print(f"LIVE, 2 gloo ranks, one step of {' '.join(shown)}: bytes held, measured / counted")
+        for (fsdp, rank), held in sorted(live(flags).items()):
+            expected = counted_rank(trainer, 2, rank, fsdp)
+            same = all(held[c] == expected[c] for c in CATEGORIES)
+            agree &= same
+            print(f"  {'fsdp' if fsdp else 'ddp ':4} rank {rank}: " + ", ".join(
+                f"{c} {held[c]:,} / {expected[c]:,}" for c in CATEGORIES) + ("" if same else "  MISMATCH"))
+        print(f"live measurement {'agrees with' if agree else 'DIFFERS from'} the count")
+    if totals:
+        ratio = totals["gpt2-xl", 8, True] / totals["gpt2-xl", 8, False]
+        print(f"gpt2-xl at 8 ranks: --fsdp holds {ratio:.3f} of DDP's bytes per rank (1/{1 / ratio:.1f})")
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
