@@ -119,6 +119,10 @@ def add_run_flags(a):
                         "per block; ManifoldMuon steps the sharded matrices; checkpoints are "
                         "torch.distributed.checkpoint folders). Without it every process holds the whole "
                         "model (DDP)")
+    a.add_argument("--fsdp-shard-ranks", type=int, default=0, metavar="N",
+                   help="with --fsdp: shard within groups of N consecutive ranks and replicate across the "
+                        "groups (HSDP; e.g. N = GPUs per node, so that the per-step shard traffic stays "
+                        "inside a node); 0 = shard over all ranks")
     a.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile the model (GPU runs)")
     a.add_argument("--wandb", choices=("off", "offline", "online"), default="off",
@@ -322,8 +326,7 @@ def validate_args(args, world_size=None):
             raise UserError("--cuda-graph needs the sync-free step: --solver-opt capturable=on "
                             "(auto is on only on GPUs)")
     args.grad_accum = grad_accum_steps(args, world_size or int(os.environ.get("WORLD_SIZE", "1")))
-    if args.fsdp:
-        check_fsdp_flags(args, world_size or int(os.environ.get("WORLD_SIZE", "1")))
+    check_fsdp_flags(args, world_size or int(os.environ.get("WORLD_SIZE", "1")))
     if args.assign.strip() == "auto":
         if args.auto_base.strip() == "auto":
             raise UserError("--auto-base must be a preset or key=manifold spec, not auto")
@@ -377,6 +380,11 @@ class DistEnv:
 def init_distributed(args):
     """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_*)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1 and args.fsdp:  # FSDP2 needs a process group, even of one process
+        use_cuda = wants_cuda(args)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0) if use_cuda else None)
+        return DistEnv()
     if world_size == 1:
         return DistEnv()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -957,7 +965,7 @@ def setup(args, env, cleanup):
     model = GPT(GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size,
                           qk_norm=args.qk_norm, attn_softcap=args.attn_softcap)).to(device)
     if args.fsdp:  # before the optimizers: they take the sharded parameters
-        shard_model(model, device, dtype)
+        shard_model(model, device, dtype, args.fsdp_shard_ranks)
     auto = None
     if args.assign.strip() == "auto":
         auto = AutoAssign(args.n_layer, args.auto_logit_max, args.auto_saturation, args.auto_sigma_growth)

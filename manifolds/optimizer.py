@@ -54,7 +54,7 @@ from torch.optim.adamw import adamw
 from manifolds import reference, sharded
 from manifolds.dual import solve_tall_banks
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
-from manifolds.sharded import ShardedStep, is_sharded, local, shard_layout
+from manifolds.sharded import is_sharded, local, shard_layout, step_shard_group
 from manifolds.plan import SolverOptions, plan_for
 from manifolds.work import piece_cost
 
@@ -383,7 +383,7 @@ class ManifoldMuon(torch.optim.Optimizer):
                                 [piece for banks in shard_groups.values() for _, pieces in banks for piece in pieces])
         for layout, banks in shard_groups.items():  # the same groups in the same order on every rank
             every = [piece for piece in self.pieces() if is_sharded(piece.param) and shard_layout(piece.param) == layout]
-            ShardedStep(self, layout, banks, every).run(momenta)
+            step_shard_group(self, layout, banks, every, momenta)
         computed = self._step_banks(work, self._replicated_inputs(momenta)) if work else []
         if self.world_size == 1:
             for pieces, new_W in computed:

@@ -1,5 +1,6 @@
-"""train_gpt2.py --fsdp on 2 gloo ranks: the same training as DDP, DCP checkpoints that resume on
-2 ranks (--fsdp) and on 1 (unsharded), and a corrupt shard file refused.
+"""train_gpt2.py --fsdp on 2 gloo ranks: the same training as DDP (with gradient accumulation, and
+HSDP's replicated groups), DCP checkpoints that resume on 2 ranks (--fsdp) and on 1 (unsharded), a
+corrupt shard file refused, a killed rank restarted by torchrun.
 
 The launches are shared by the checks (a module fixture): per assignment one --fsdp run (30 steps,
 a checkpoint every 15) and one DDP run; for hetero, resumes of its step-15 checkpoint on 2 ranks
@@ -47,8 +48,12 @@ def runs(tmp_path_factory):
     data = make_shards(str(root / "data"))
     out = {"root": root}
     for assign in ASSIGNS:
-        launch(2, data, root / f"fsdp-{assign}", "--assign", assign, "--fsdp", "--ckpt-every", "15")
+        # all-dgram with gradient accumulation under --fsdp (2 micro-steps of 2 sequences per rank)
+        accumulate = ["--batch-size", "2"] if assign == "all-dgram" else []
+        launch(2, data, root / f"fsdp-{assign}", "--assign", assign, "--fsdp", "--ckpt-every", "15", *accumulate)
         launch(2, data, root / f"ddp-{assign}", "--assign", assign)
+    # HSDP: replicated over 2 groups of 1 rank (the groups' gradient all-reduce, each rank its own owner)
+    launch(2, data, root / "hsdp-hetero", "--fsdp", "--fsdp-shard-ranks", "1")
     step15 = str(root / "fsdp-hetero" / "ckpt_00000015.dcp")
     launch(2, data, root / "resumed-fsdp", "--fsdp", "--resume", step15)
     launch(1, data, root / "resumed-one", "--resume", step15)
@@ -81,6 +86,11 @@ def test_fsdp_trains_as_ddp(runs, assign):
     folders = sorted(os.listdir(runs["root"] / f"fsdp-{assign}"))
     assert [f for f in folders if f.endswith(".dcp")] == ["ckpt_00000015.dcp", "ckpt_00000030.dcp"]
     assert not [f for f in folders if f.endswith(".tmp")]
+
+
+def test_hsdp_trains_as_ddp(runs):
+    hsdp, ddp = (train_losses(runs["root"] / f"{kind}-hetero") for kind in ("hsdp", "ddp"))
+    assert sorted(hsdp) == list(range(1, 31)) and max(abs(hsdp[s] - ddp[s]) for s in ddp) <= 1e-4
 
 
 @pytest.mark.parametrize("where", ["resumed-fsdp", "resumed-one"])
@@ -123,3 +133,17 @@ def test_sample_export_and_hellaswag_read_an_fsdp_checkpoint_folder(runs):
     replicated = load_model(payload).state_dict()
     assert sharded.keys() == replicated.keys()
     assert max((sharded[k] - replicated[k]).abs().max().item() for k in sharded) <= 1e-4
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--fsdp", "--qk-clip", "50"], "--fsdp does not support --qk-clip yet"),
+    (["--fsdp", "--assign", "auto"], "--fsdp does not support --assign auto yet"),
+    (["--fsdp-shard-ranks", "2"], "--fsdp-shard-ranks shards within groups of ranks: it needs --fsdp"),
+    (["--fsdp", "--fsdp-shard-ranks", "3"], "--fsdp-shard-ranks 3 must divide the 2 ranks"),
+])
+def test_what_fsdp_does_not_support_is_one_clear_error(flags, message):
+    import train_gpt2
+    from errors import UserError
+    args = train_gpt2.parse_args(["--data-dir", "unused", *RUN, "--batch-size", "4", *flags])
+    with pytest.raises(UserError, match=message):
+        train_gpt2.validate_args(args, world_size=2)

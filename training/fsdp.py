@@ -13,11 +13,16 @@ import torch.distributed as dist
 from errors import UserError
 
 
-def shard_model(model, device, dtype):
-    """Wrap `model` (our GPT) in place: fully_shard per block, then at the root."""
+def shard_model(model, device, dtype, shard_ranks=0):
+    """Wrap `model` (our GPT) in place: fully_shard per block, then at the root; over all ranks,
+    or (HSDP) within groups of `shard_ranks` consecutive ranks, replicated across the groups."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if shard_ranks and shard_ranks != world:
+        mesh = init_device_mesh(device.type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if device.type == "cuda" and dtype == "bfloat16" else MixedPrecisionPolicy())
     for block in model.blocks:
@@ -32,10 +37,14 @@ def whole(tensor):
 
 
 def check_fsdp_flags(args, world_size):
-    """UserError for what --fsdp does not support (yet)."""
-    if world_size < 2:
-        raise UserError("--fsdp shards the model over torchrun's processes: launch it with torchrun "
-                        "--nproc_per_node N, N >= 2 (one process trains unsharded without --fsdp)")
+    """UserError for what --fsdp does not support (yet), and for a --fsdp-shard-ranks that does not
+    divide the ranks."""
+    if args.fsdp_shard_ranks and not args.fsdp:
+        raise UserError("--fsdp-shard-ranks shards within groups of ranks: it needs --fsdp")
+    if not args.fsdp:
+        return
+    if args.fsdp_shard_ranks < 0 or (args.fsdp_shard_ranks and world_size % args.fsdp_shard_ranks):
+        raise UserError(f"--fsdp-shard-ranks {args.fsdp_shard_ranks} must divide the {world_size} ranks (0 = all)")
     unsupported = {"--qk-clip": bool(args.qk_clip), "--assign auto": args.assign.strip() == "auto",
                    "--cuda-graph on": args.cuda_graph == "on"}
     named = [flag for flag, given in unsupported.items() if given]
