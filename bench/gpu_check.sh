@@ -16,9 +16,11 @@
 #   step_time   65  bench/step_time.py: the Muon step against forward+backward of 64 x 1024
 #                   tokens, GPT-2 small; hetero then plain Muon; kernels auto/torch x clip auto/eigh
 #   optimizer   45  bench/optimizer.py: published algorithm vs ours, GPT-2 small banks, bf16
-#   train      155  train_gpt2.py: 200 steps of compiled bf16 GPT-2 small, hetero, the trainer's
+#   train      125  train_gpt2.py: 200 steps of compiled bf16 GPT-2 small, hetero, the trainer's
 #                   default batch (64 x 1024 tokens per step), on learnable synthetic tokens
 #                   (data/make_synthetic_shards.py --mode pattern, written in the background)
+#   fsdp        30  train_gpt2.py --fsdp: 3 eager steps of the same, in one process (FSDP2 over a
+#                   1-rank NCCL group: the sharded path's code, not its scaling), checkpoint included
 #
 # Everything goes to $OUT as soon as it exists; at most 7 files (the device tool returns 8):
 #   gpu_check.log        everything printed, the header included
@@ -99,6 +101,7 @@ if [[ $DRY == 1 ]]; then
     OPTIMIZER=(--n-embd 32 --n-layer 1 --device cpu --steps 1 --warmup 1)
     TRAIN=(--n-layer 1 --n-head 2 --n-embd 32 --seq-len 32 --total-batch-size 2 --batch-size 1 --device cpu
            --max-steps 12 --warmup-steps 2 --eval-every 6 --eval-tokens 1024 --log-every 3)
+    FSDP=("${TRAIN[@]}" --max-steps 3 --eval-every 3)
 else
     SHARD_TOKENS=16000000  # 200 steps x 64 x 1024 = 13.1M: one pass, nothing repeated
     TESTS=()
@@ -106,6 +109,7 @@ else
     STEP_TIME=(--kernels auto torch --clips auto eigh --cuda-graph)
     OPTIMIZER=(--n-embd 768 --n-layer 12 --device cuda --steps 2 --warmup 1)
     TRAIN=(--max-steps 200 --warmup-steps 20 --compile --eval-every 100 --eval-tokens 65536 --log-every 10)
+    FSDP=(--max-steps 3 --warmup-steps 1 --eval-every 3 --eval-tokens 8192 --log-every 1)
 fi
 
 # the training data, written on the CPU while the GPU steps run
@@ -140,7 +144,7 @@ rm -rf "$RUN"
           && mv -f "$OUT/.train_metrics.tmp" "$OUT/train_metrics.jsonl"
   done ) &
 copier=$!
-step train 155 "$PYTHON" train_gpt2.py --data-dir "$WORK/shards" --out-dir "$RUN" --assign hetero \
+step train 125 "$PYTHON" train_gpt2.py --data-dir "$WORK/shards" --out-dir "$RUN" --assign hetero \
     --ckpt-every 0 --overwrite "${TRAIN[@]}"
 kill "$copier" 2>/dev/null
 wait "$copier" 2>/dev/null
@@ -148,6 +152,9 @@ copier=
 cp "$RUN/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null
 cp "$RUN/summary.json" "$OUT/train_summary.json" 2>/dev/null
 rm -rf "$RUN"  # the checkpoints (GBs)
+step fsdp 30 "$PYTHON" train_gpt2.py --fsdp --data-dir "$WORK/shards" --out-dir "$WORK/fsdp" --assign hetero \
+    --overwrite "${FSDP[@]}"
+rm -rf "$WORK/fsdp"
 
 # --- verdict -----------------------------------------------------------------------------------
 "$PYTHON" - "$OUT" "$WORK" <<'EOF' 2>&1 | tee -a "$LOG" "$SUMMARY"

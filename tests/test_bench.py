@@ -145,7 +145,7 @@ def test_gpu_check_dry_run(tmp_path):
                             capture_output=True, text=True, timeout=300)
     summary = (out / "summary.txt").read_text()
     assert result.returncode == 0, summary + result.stdout[-3000:]
-    for name in ("tests", "kernels", "step_time", "optimizer", "train"):
+    for name in ("tests", "kernels", "step_time", "optimizer", "train", "fsdp"):
         assert any(line.startswith(name) and "exit   0" in line for line in summary.splitlines()), summary
     assert "no verdict" not in summary and "tests collected" in summary
     assert "train: 12 steps" in summary and "no NaN" in summary and "train: status completed" in summary
@@ -153,7 +153,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert len(files) <= 8 and not any(f.endswith(".tmp") for f in files), files
     assert {"gpu_check.log", "summary.txt", "step_time.json", "optimizer.json", "train_metrics.jsonl",
             "train_summary.json"} <= set(files)
-    assert not (work / "run").exists()  # the checkpoints are deleted
+    assert not (work / "run").exists() and not (work / "fsdp").exists()  # the checkpoints are deleted
 
 
 def test_memory_counts_agree_with_a_live_step_and_fsdp_holds_under_a_sixth_of_ddp_for_xl_at_8_ranks():
