@@ -49,6 +49,7 @@ from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
 from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation
 from manifolds.assignment import parse_assignment
 from manifolds.param_groups import Matrix, assigned_matrices, muon_groups, project_matrices
+from manifolds.sharded import shard_full_state
 from manifolds.plan import SOLVER_VALUE_TEXT, SolverOptions, parse_solver_value, show_value, solver_value_kind
 from manifolds.step_graph import StepGraph, lr_in_device_tensors
 
@@ -1020,6 +1021,16 @@ def resume(run, payload, path):
         if not run.args.fsdp:
             run.muon.init_state()  # every key of the sharded state, so that DCP loads them
         load_sharded(path, run.model, [run.muon, run.adamw])
+        solver_changes = restore_run(payload, run.args)
+    elif run.args.fsdp:  # a one-file checkpoint (DDP or one process) into the sharded model
+        check_resumable(payload, run.args)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        set_model_state_dict(run.model, payload["model"], options=StateDictOptions(full_state_dict=True))
+        run.adamw.load_state_dict(shard_full_state(run.adamw, payload["adamw"]))
+        caps = [group.get("dgram_cap") for group in run.muon.param_groups]
+        run.muon.load_state_dict(shard_full_state(run.muon, payload["muon"]))
+        for group, cap in zip(run.muon.param_groups, caps):  # this run's flag, as restore() keeps it
+            group["dgram_cap"] = cap
         solver_changes = restore_run(payload, run.args)
     else:
         solver_changes = restore(payload, run.model, run.adamw, run.muon, run.args)

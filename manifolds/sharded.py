@@ -34,29 +34,28 @@ the same keys before the first step, as torch.distributed.checkpoint's get_state
 "step" (steps taken, a CPU tensor: the warm start is used once it is positive), "momentum_buffer"
 and one "dual" / "dual@<lo>" per piece that keeps a warm start.
 """
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-try:
-    from torch.distributed.tensor import DTensor, Shard
-    import torch.distributed.tensor as distributed_tensor
-except ImportError:  # torch without DTensor: nothing is ever sharded
-    DTensor, Shard, distributed_tensor = (), None, None
 
 from manifolds.geometry import geometry
 from manifolds.work import piece_cost
 
 
 def is_sharded(p):
-    return isinstance(p, DTensor)
+    """Whether p is a DTensor. torch.distributed.tensor is imported only by code that makes
+    DTensors (FSDP2; ~1 s of every process's start otherwise): if it is not loaded, none exists."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(p, module.DTensor)
 
 
 def local(x):
     """The local part of a DTensor (the tensor itself otherwise)."""
-    return x.to_local() if isinstance(x, DTensor) else x
+    return x.to_local() if is_sharded(x) else x
 
 
 def chunk_range(n, parts, index):
@@ -121,6 +120,7 @@ def warm_shape(piece):
 
 def warm_placements(p, layout):
     """The dual's placements: the parameter's, split on rows (its q x q has no columns to follow)."""
+    from torch.distributed.tensor import Shard
     return tuple(Shard(0) if mesh_dim == layout.mesh_dim else placement
                  for mesh_dim, placement in enumerate(p.placements))
 
@@ -138,9 +138,55 @@ def init_sharded_state(optimizer, group, pieces):
         if is_sharded(piece.param) and keeps_warm_start(piece, optimizer.options):
             state, layout = optimizer.state[piece.param], shard_layout(piece.param)
             if piece.dual_key not in state:
-                state[piece.dual_key] = distributed_tensor.zeros(
+                from torch.distributed.tensor import zeros as sharded_zeros
+                state[piece.dual_key] = sharded_zeros(
                     warm_shape(piece), dtype=torch.float32, device_mesh=layout.mesh,
                     placements=warm_placements(piece.param, layout))
+
+
+def local_part(full, p):
+    """This rank's part of `full`, a whole tensor shaped as the sharded parameter p (its momentum,
+    AdamW's moments), as a DTensor in p's layout."""
+    from torch.distributed.tensor import DTensor
+    index = full
+    for mesh_dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            dim = placement.dim % full.dim()
+            lo, hi = chunk_range(full.size(dim), p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim))
+            index = index.narrow(dim, lo, hi - lo)
+    return DTensor.from_local(index.clone(), p.device_mesh, p.placements, run_check=False, shape=full.shape,
+                              stride=full.stride())
+
+
+def shard_full_state(optimizer, state_dict):
+    """A whole (one-process or consolidated) optimizer state_dict for `optimizer`, whose parameters
+    are sharded now: each tensor shaped as its parameter becomes this rank's part of it, each dual
+    warm start this rank's rows of it (a DTensor as init_sharded_state makes them), and a sharded
+    ManifoldMuon parameter that has stepped gets its "step" (its warm start is used). Parameters are
+    matched by their position in the optimizer's groups, as load_state_dict matches them."""
+    from torch.distributed.tensor import DTensor
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, values in state_dict["state"].items():
+        p = params[int(index)]
+        if not is_sharded(p):
+            state[index] = values
+            continue
+        converted = {}
+        for key, value in values.items():
+            if torch.is_tensor(value) and tuple(value.shape) == tuple(p.shape):
+                converted[key] = local_part(value, p)
+            elif key.startswith("dual") and torch.is_tensor(value):
+                layout = shard_layout(p)
+                lo, hi = chunk_range(value.size(0), layout.size, layout.rank)
+                converted[key] = DTensor.from_local(value[lo:hi].clone(), p.device_mesh, warm_placements(p, layout),
+                                                    run_check=False, shape=value.shape, stride=value.stride())
+            else:
+                converted[key] = value
+        if "momentum_buffer" in converted and "step" not in converted:  # a ManifoldMuon parameter that stepped
+            converted["step"] = torch.tensor(1.0)
+        state[index] = converted
+    return {**state_dict, "state": state}
 
 
 @torch.no_grad()

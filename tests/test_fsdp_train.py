@@ -51,12 +51,14 @@ def runs(tmp_path_factory):
         # all-dgram with gradient accumulation under --fsdp (2 micro-steps of 2 sequences per rank)
         accumulate = ["--batch-size", "2"] if assign == "all-dgram" else []
         launch(2, data, root / f"fsdp-{assign}", "--assign", assign, "--fsdp", "--ckpt-every", "15", *accumulate)
-        launch(2, data, root / f"ddp-{assign}", "--assign", assign)
+        launch(2, data, root / f"ddp-{assign}", "--assign", assign, "--ckpt-every", "15")
     # HSDP: replicated over 2 groups of 1 rank (the groups' gradient all-reduce, each rank its own owner)
     launch(2, data, root / "hsdp-hetero", "--fsdp", "--fsdp-shard-ranks", "1")
     step15 = str(root / "fsdp-hetero" / "ckpt_00000015.dcp")
     launch(2, data, root / "resumed-fsdp", "--fsdp", "--resume", step15)
     launch(1, data, root / "resumed-one", "--resume", step15)
+    # the other way: a DDP run's one-file checkpoint, its whole state sharded on load
+    launch(2, data, root / "resumed-from-ddp", "--fsdp", "--resume", str(root / "ddp-hetero" / "ckpt_00000015.pt"))
     corrupt = root / "corrupt"
     shutil.copytree(root / "fsdp-hetero", corrupt)
     shard = corrupt / "ckpt_00000030.dcp" / "__1_0.distcp"
@@ -147,3 +149,11 @@ def test_what_fsdp_does_not_support_is_one_clear_error(flags, message):
     args = train_gpt2.parse_args(["--data-dir", "unused", *RUN, "--batch-size", "4", *flags])
     with pytest.raises(UserError, match=message):
         train_gpt2.validate_args(args, world_size=2)
+
+
+def test_a_ddp_checkpoint_resumes_under_fsdp(runs):
+    straight, resumed = train_losses(runs["root"] / "ddp-hetero"), train_losses(runs["root"] / "resumed-from-ddp")
+    assert sorted(resumed) == list(range(16, 31))
+    gap = max(abs(resumed[s] - straight[s]) for s in resumed)
+    print(f"DDP step-15 checkpoint resumed under --fsdp: steps 16-30 within {gap:.1e} of the DDP run")
+    assert gap <= 1e-4

@@ -141,25 +141,21 @@ def load_sharded(path, model, optimizers):
 
 
 def find_sharded_resume(args, say):
-    """(path, run payload) for --resume under --fsdp (a collective): --resume PATH (a .dcp folder),
-    or --resume auto: the newest folder in --out-dir that verifies, corrupt ones reported and
-    skipped; (None, None) when there is none at all. A run folder with only unsharded checkpoints
-    (ckpt_*.pt, written without --fsdp) is an error naming them."""
+    """(path, payload) for --resume under --fsdp (a collective): --resume PATH, or --resume auto: the
+    newest folder in --out-dir that verifies, corrupt ones reported and skipped. A one-file
+    checkpoint (ckpt_<step>.pt of a run without --fsdp: --resume PATH, or --resume auto in a folder
+    with no .dcp folder) is found as without --fsdp (training.checkpoints.find_resume_checkpoint):
+    the trainer shards its whole state on load. (None, None) when there is no checkpoint at all."""
     from errors import UserError
-    from training.checkpoints import list_checkpoints
+    from training.checkpoints import find_resume_checkpoint
     if args.resume != "auto":
-        candidates = [args.resume]
         if not os.path.isdir(args.resume):
-            raise UserError(f"--resume {args.resume}: under --fsdp a checkpoint is a ckpt_<step>.dcp folder")
+            return find_resume_checkpoint(args, say)
+        candidates = [args.resume]
     else:
         candidates = list_sharded_checkpoints(args.out_dir) if os.path.isdir(args.out_dir) else []
         if not candidates:
-            unsharded = list_checkpoints(args.out_dir) if os.path.isdir(args.out_dir) else []
-            if unsharded:
-                raise UserError(f"--resume auto: --out-dir {args.out_dir} holds checkpoints written without --fsdp "
-                                f"({os.path.basename(unsharded[0])}, ...); resume them without --fsdp")
-            say(f"--resume auto: no checkpoint in --out-dir {args.out_dir}: starting afresh")
-            return None, None
+            return find_resume_checkpoint(args, say)
     for path in candidates:
         problem = verify_sharded(path)
         if problem is None:
