@@ -381,6 +381,13 @@ class DistEnv:
 def init_distributed(args):
     """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_*)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.fsdp or (args.resume not in (None, "auto") and os.path.isdir(args.resume)):
+        # DTensor and DCP, before the process group as torch.distributed.nn below (only when sharded
+        # state is made or read: they cost a second of start-up)
+        # (and what their first use imports: DCP's state_dict helpers, torch._dynamo through FSDP2)
+        from torch import _dynamo  # noqa: F401  (`from`: see below)
+        from torch.distributed import fsdp as _fsdp, tensor as _dtensor  # noqa: F401
+        from torch.distributed.checkpoint import state_dict as _dcp  # noqa: F401
     if world_size == 1 and args.fsdp:  # FSDP2 needs a process group, even of one process
         use_cuda = wants_cuda(args)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
@@ -869,7 +876,11 @@ def main(argv=None):
         del err
         gc.collect()
     finally:
-        if env.world_size > 1:
+        if dist.is_available() and dist.is_initialized():  # --fsdp in one process has a group too
+            # FSDP2's modules, DTensors and their collectives' work sit in reference cycles: freed
+            # now, while the group's threads can still finish them, not at interpreter shutdown
+            # (where a gloo thread ending mid-cleanup aborts the process: "terminate called ...")
+            gc.collect()
             dist.destroy_process_group()
     if failure is not None:
         raise failure

@@ -133,6 +133,7 @@ def live_bytes(model, muon, adamw):
 def live_rank(rank, world, store, out, flags, fsdp):
     torch.set_num_threads(1)
     import torch.distributed as dist
+    from torch.distributed import fsdp as _  # noqa: F401  (before the process group: train_gpt2.init_distributed says why)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         args = train_gpt2.parse_args(["--device", "cpu", *flags, *(["--fsdp"] if fsdp else [])])

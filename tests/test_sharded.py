@@ -137,6 +137,7 @@ def manifold_matrices(case):
 
 def rank_main(rank, world_size, store, out_dir, checkpoint_in):
     torch.set_num_threads(1)
+    from torch.distributed import checkpoint as _dcp, fsdp as _fsdp  # noqa: F401  (before the group: see train_gpt2)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     from torch.distributed.device_mesh import init_device_mesh
     import torch.distributed.checkpoint as dcp
