@@ -4,8 +4,10 @@ Three launches serve every check (launches cost more than checks): 2 ranks, 3 ra
 empty shards: 64 MLP rows split 22/22/20, Llama's 4-row k_proj and v_proj 2/2/0) and 1 rank. Each
 rank trains, under `fully_shard` per block and at the root:
   * our GPT-2 (fused QKV as q | k | v row blocks on stiefel, oblique and dgram; attn.proj stiefel,
-    mlp.fc dgram, mlp.proj none) and a 5-layer Llama (hetero: its square q_proj and o_proj take
-    the exact square step, k_proj and v_proj are 4 x 32), 3 steps of the same global batches,
+    mlp.fc dgram, mlp.proj none), a 5-layer Llama (hetero: its square q_proj and o_proj take the
+    exact square step, k_proj and v_proj are 4 x 32) and transformers' 5-layer GPT-2 (Conv1D weights
+    stored (in, out): sharded on the map's columns; oblique QKV, stiefel proj, dgram MLP), 3 steps
+    of the same global batches,
     with ManifoldMuon and, as the yardstick of the harness's own rounding, with torch.optim.SGD;
   * a DCP checkpoint of the GPT case at step 2 (get_state_dict + dcp.save), loaded into a freshly
     built sharded model and optimizer (set_state_dict) that continues 2 steps; 2 ranks also save
@@ -29,13 +31,15 @@ transformers.logging.set_verbosity_error()
 import train_gpt2  # noqa: E402
 
 BATCH, SEQ, VOCAB, STEPS = 6, 16, 64, 3
-RUNS = [("gpt", "muon"), ("gpt", "sgd"), ("gpt", "clients"), ("llama", "muon"), ("llama", "sgd")]
+RUNS = [("gpt", "muon"), ("gpt", "sgd"), ("gpt", "clients"), ("llama", "muon"), ("llama", "sgd"), ("hf-gpt2", "muon"),
+        ("hf-gpt2", "sgd")]
 # other layouts of the GPT, against the same one-process run: matrices split on columns
 # (shard_placement_fn; FSDP2 splits dimension 1 only evenly: 2 ranks), HSDP's 2-D mesh
 # (Replicate, Shard(0)) with one replica, and the exchange cut into one bucket per piece
 LAYOUTS = {2: ["cols", "hsdp", "buckets"], 3: ["hsdp", "buckets"]}
 GPT_SPEC = "attn.q=stiefel,attn.k=oblique,attn.v=dgram,attn.proj=stiefel,mlp.fc=dgram,mlp.proj=none"
-CASES = {"gpt": GPT_SPEC, "llama": "hetero"}
+# transformers' GPT-2: Conv1D weights stored (in, out), sharded on their rows = the map's columns
+CASES = {"gpt": GPT_SPEC, "llama": "hetero", "hf-gpt2": "attn.qkv=oblique,attn.proj=stiefel,mlp=dgram"}
 ADAMW = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.0}
 # sharded against one process: within a few times how far one process's own weights move when its
 # gradients change by 1e-7 (relative), the size of the reduce-scatter's rounding; measured 1.6e-5 for
@@ -48,13 +52,19 @@ def build(case, seed=0):
     torch.manual_seed(seed)
     if case == "gpt":
         return train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=5, n_head=2, n_embd=16, seq_len=SEQ, vocab_size=VOCAB))
+    if case == "hf-gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=5, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=1,
         vocab_size=VOCAB, bos_token_id=0, eos_token_id=0))
 
 
 def blocks_of(model):
-    return model.blocks if hasattr(model, "blocks") else model.model.layers
+    if hasattr(model, "blocks"):
+        return model.blocks
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
 
 
 def batches(step, rank=0, world_size=1):
@@ -261,7 +271,7 @@ def test_the_harness_shards_as_one_process_trains_sgd_first(runs, alone):
             assert largest_difference(sharded, alone[f"{case}/sgd"]["weights"]) <= 1e-6, (world_size, case)
 
 
-@pytest.mark.parametrize("case,kind", [("gpt", "muon"), ("llama", "muon"), ("gpt", "clients")])
+@pytest.mark.parametrize("case,kind", [("gpt", "muon"), ("llama", "muon"), ("gpt", "clients"), ("hf-gpt2", "muon")])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_manifold_muon_trains_as_one_process(runs, alone, case, kind, world_size):
     ranks = [results[f"{case}/{kind}"] for results in runs[world_size]]
