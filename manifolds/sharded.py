@@ -18,8 +18,8 @@ work.piece_cost, as under DDP), and one step is
 
 No rank gathers every matrix. Steps 2-4 run per bucket of pieces (`buckets`, EXCHANGE_BUCKET
 elements of W per rank), so that an owner holds one bucket's matrices whole at a time, not all of
-its own: two collectives per bucket (GPT-2 small on 8 ranks: one bucket; XL: 9), whatever the
-data. Per step a rank sends about (2 |W| + |Lambda|) (P-1)/P^2 and receives (|W| + |Lambda|)
+its own: two collectives per bucket (GPT-2 small on 8 ranks: one bucket; XL: 9), their number
+and sizes fixed by the shapes, not by the data. Per step a rank sends about (2 |W| + |Lambda|) (P-1)/P^2 and receives (|W| + |Lambda|)
 (P-1)/P^2 elements summed over the matrices, where |Lambda| = q^2 (0 for plain Muon, the exact
 square Stiefel step and the reference solver, which keep no warm start): 3/P of one fp32
 all-gather of W when Lambda is small, as for MLP matrices (q^2 = |W|/4).
@@ -40,7 +40,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
 
 from manifolds.geometry import geometry
 from manifolds.work import piece_cost
