@@ -101,13 +101,16 @@ def test_mistakes_are_one_clean_line(args, message, tmp_path):
     assert result.returncode == 2 and message in result.stderr and not (tmp_path / "runs").exists()
 
 
-def test_assign_paper_runs_under_torchrun(data_dir, tmp_path):
-    # the paper setting's launcher, on 2 CPU processes; its --compile and wandb undone by flags
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_assign_paper_runs_under_torchrun(data_dir, tmp_path, sharding):
+    # the paper setting's launcher, on 2 CPU processes; its --compile and wandb undone by flags;
+    # --fsdp passed through to the trainer
     result = run_sh(tmp_path, "assign", "--paper", "hetero", "--data-dir", data_dir, "--vocab-size", "64", *TINY,
-                    "--no-compile", "--wandb", "off", NPROC="2")
+                    "--no-compile", "--wandb", "off", *sharding, NPROC="2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     config = json.load(open(tmp_path / "runs" / "hetero" / "config.json"))
     assert config["world_size"] == 2 and config["batch_size"] == 4 and config["compile"] is False
+    assert config["fsdp"] is bool(sharding)
     assert config["n_layer"] == 1 and config["wandb"] == "off"
     assert report_rows(tmp_path / "runs")["hetero"][2] == "4"
 
