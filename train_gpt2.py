@@ -39,7 +39,7 @@ from kernels.logit_max import causal_logit_max
 from training.checkpoints import (check_resumable, checkpoint_path, checkpoint_payload, find_resume_checkpoint, restore,
                                   restore_run, run_payload, save_atomic, save_checkpoint)
 from training.auto_assign import AutoAssign
-from training.fsdp import check_fsdp_flags, shard_model, whole
+from training.fsdp import check_fsdp_flags, gathered_matrix_stats, shard_model, whole
 from training.sharded_checkpoints import find_sharded_resume, load_sharded, save_sharded, sharded_checkpoint_path
 from training.diagnostics import AttentionProbe, matrix_stats
 from training.qk_clip import QKClip
@@ -814,11 +814,12 @@ def evaluate_and_diagnose(model, matrices, stream, args, device, autocast, env=D
     probe = (AttentionProbe([block.attn.c_attn for block in model.blocks], args.n_head,
                             [block.attn for block in model.blocks]) if env.is_main else None)
     val_loss, eval_tokens = evaluate(model, stream, args, device, autocast, env, probe)
+    t1 = time.perf_counter()
+    # under --fsdp the weights' statistics need each matrix gathered whole, by every rank
+    weights = gathered_matrix_stats(matrices, args.dgram_cap, env.is_main) if args.fsdp else None
     if probe is None:
         return val_loss, eval_tokens, {}
-    t1 = time.perf_counter()
-    # the weights' diagnostics need whole matrices: not under --fsdp (yet)
-    fields = {**probe.results(), **(matrix_stats(matrices, args.dgram_cap) if not args.fsdp else {})}
+    fields = {**probe.results(), **(weights if weights is not None else matrix_stats(matrices, args.dgram_cap))}
     weights_ms = 1000 * (time.perf_counter() - t1)
     return val_loss, eval_tokens, {**fields, "eval_ms": 1000 * (t1 - t0) - probe.ms,
                                    "diagnostics_ms": probe.ms + weights_ms}

@@ -85,6 +85,13 @@ def test_fsdp_trains_as_ddp(runs, assign):
     with open(runs["root"] / f"fsdp-{assign}" / "summary.json") as f:
         summary = json.load(f)
     assert summary["status"] == "completed" and max(summary["max_manifold_violation"].values()) <= 1e-4
+    # the eval's weight diagnostics (each matrix gathered whole under --fsdp) are DDP's
+    evals = [[row for row in map(json.loads, open(runs["root"] / f"{kind}-{assign}" / "metrics.jsonl"))
+              if "val_loss" in row][-1] for kind in ("fsdp", "ddp")]
+    for field in ("sigma_max", "sigma_min", "manifold_violation"):
+        assert evals[0][field].keys() == evals[1][field].keys(), field
+    assert len(evals[0]["attn_logit_max"]) == len(evals[1]["attn_logit_max"]) == 2
+    assert max(abs(evals[0]["sigma_max"][k] - evals[1]["sigma_max"][k]) for k in evals[1]["sigma_max"]) <= 1e-4
     folders = sorted(os.listdir(runs["root"] / f"fsdp-{assign}"))
     assert [f for f in folders if f.endswith(".dcp")] == ["ckpt_00000015.dcp", "ckpt_00000030.dcp"]
     assert not [f for f in folders if f.endswith(".tmp")]
