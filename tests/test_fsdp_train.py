@@ -1,5 +1,5 @@
 """train_gpt2.py --fsdp on 2 gloo ranks: the same training as DDP (with gradient accumulation, and
-HSDP's replicated groups), DCP checkpoints that resume on 2 ranks (--fsdp) and on 1 (unsharded), a
+HSDP's replicated groups), DCP checkpoints that resume on 2 and 3 ranks (--fsdp) and on 1 (unsharded), a
 corrupt shard file refused, a killed rank restarted by torchrun.
 
 The launches are shared by the checks (a module fixture): per assignment one --fsdp run (30 steps,
@@ -57,6 +57,11 @@ def runs(tmp_path_factory):
     step15 = str(root / "fsdp-hetero" / "ckpt_00000015.dcp")
     launch(2, data, root / "resumed-fsdp", "--fsdp", "--resume", step15)
     launch(1, data, root / "resumed-one", "--resume", step15)
+    # 2 ranks -> 3 (uneven shards): a total batch of 12 splits over both
+    twelve = ["--total-batch-size", "12"]
+    launch(2, data, root / "fsdp-12", "--fsdp", "--ckpt-every", "15", *twelve, "--batch-size", "6")
+    launch(3, data, root / "resumed-three", "--fsdp", *twelve, "--batch-size", "4",
+           "--resume", str(root / "fsdp-12" / "ckpt_00000015.dcp"))
     # the other way: a DDP run's one-file checkpoint, its whole state sharded on load
     launch(2, data, root / "resumed-from-ddp", "--fsdp", "--resume", str(root / "ddp-hetero" / "ckpt_00000015.pt"))
     corrupt = root / "corrupt"
@@ -163,4 +168,12 @@ def test_a_ddp_checkpoint_resumes_under_fsdp(runs):
     assert sorted(resumed) == list(range(16, 31))
     gap = max(abs(resumed[s] - straight[s]) for s in resumed)
     print(f"DDP step-15 checkpoint resumed under --fsdp: steps 16-30 within {gap:.1e} of the DDP run")
+    assert gap <= 1e-4
+
+
+def test_a_two_rank_fsdp_checkpoint_resumes_on_three_ranks(runs):
+    straight, resumed = train_losses(runs["root"] / "fsdp-12"), train_losses(runs["root"] / "resumed-three")
+    assert sorted(resumed) == list(range(16, 31))
+    gap = max(abs(resumed[s] - straight[s]) for s in resumed)
+    print(f"2-rank --fsdp checkpoint resumed on 3 ranks: steps 16-30 within {gap:.1e}")
     assert gap <= 1e-4
