@@ -222,15 +222,7 @@ class ManifoldMuon(torch.optim.Optimizer):
                 for p in group["params"]:
                     self._adamw_state(p)
                 continue
-            for p in group["params"]:
-                if not is_sharded(p):
-                    self.state[p].setdefault("step", torch.tensor(0.0))
-                    self.state[p].setdefault("momentum_buffer", torch.zeros_like(p, dtype=torch.float32))
-            self._init_sharded_state(group)
-        for piece in self.pieces():
-            if not is_sharded(piece.param) and sharded.keeps_warm_start(piece, self.options):
-                self.state[piece.param].setdefault(piece.dual_key, torch.zeros(
-                    sharded.warm_shape(piece), dtype=torch.float32, device=piece.param.device))
+            sharded.init_state(self, group, [piece for piece in self.pieces() if piece.group is group], replicated=True)
 
     def _init_sharded_state(self, group):
         """The state of a group's sharded parameters, created now: every rank has the same keys
@@ -240,7 +232,7 @@ class ManifoldMuon(torch.optim.Optimizer):
                 if is_sharded(p):
                     self._adamw_state(p)
             return
-        sharded.init_sharded_state(self, group, [piece for piece in self.pieces() if piece.group is group])
+        sharded.init_state(self, group, [piece for piece in self.pieces() if piece.group is group])
 
     @torch.no_grad()
     def _project_onto_manifolds(self, group, p):

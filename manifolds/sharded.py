@@ -124,23 +124,29 @@ def warm_placements(p, layout):
                  for mesh_dim, placement in enumerate(p.placements))
 
 
-def init_sharded_state(optimizer, group, pieces):
-    """Create the state of a group's sharded parameters (module docstring), zero, without communication."""
+def init_state(optimizer, group, pieces, replicated=False):
+    """Create the state of a group's sharded parameters (module docstring), zero, without
+    communication; with `replicated`, of its other parameters too (plain tensors, the same keys)."""
     for p in group["params"]:
-        if not is_sharded(p):
+        if not (replicated or is_sharded(p)):
             continue
         state = optimizer.state[p]
         state.setdefault("step", torch.tensor(0.0))
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
     for piece in pieces:
-        if is_sharded(piece.param) and keeps_warm_start(piece, optimizer.options):
-            state, layout = optimizer.state[piece.param], shard_layout(piece.param)
-            if piece.dual_key not in state:
-                from torch.distributed.tensor import zeros as sharded_zeros
-                state[piece.dual_key] = sharded_zeros(
-                    warm_shape(piece), dtype=torch.float32, device_mesh=layout.mesh,
-                    placements=warm_placements(piece.param, layout))
+        if not (replicated or is_sharded(piece.param)) or not keeps_warm_start(piece, optimizer.options):
+            continue  # (before touching optimizer.state, a defaultdict: no empty entries)
+        state = optimizer.state[piece.param]
+        if piece.dual_key in state:
+            continue
+        if is_sharded(piece.param):
+            from torch.distributed.tensor import zeros as sharded_zeros
+            layout = shard_layout(piece.param)
+            state[piece.dual_key] = sharded_zeros(warm_shape(piece), dtype=torch.float32, device_mesh=layout.mesh,
+                                                  placements=warm_placements(piece.param, layout))
+        else:
+            state[piece.dual_key] = torch.zeros(warm_shape(piece), dtype=torch.float32, device=piece.param.device)
 
 
 def local_part(full, p):
@@ -160,7 +166,7 @@ def local_part(full, p):
 def shard_full_state(optimizer, state_dict):
     """A whole (one-process or consolidated) optimizer state_dict for `optimizer`, whose parameters
     are sharded now: each tensor shaped as its parameter becomes this rank's part of it, each dual
-    warm start this rank's rows of it (a DTensor as init_sharded_state makes them), and a sharded
+    warm start this rank's rows of it (a DTensor as init_state makes them), and a sharded
     ManifoldMuon parameter that has stepped gets its "step" (its warm start is used). Parameters are
     matched by their position in the optimizer's groups, as load_state_dict matches them."""
     from torch.distributed.tensor import DTensor
@@ -230,32 +236,35 @@ class ShardedStep:
         """banks: [(name, pieces)] of one bucket of this group's pieces with gradients, in bank
         order (the same on every rank); owners: {piece.key: rank} of the group's pieces."""
         self.opt, self.layout, self.banks = optimizer, layout, banks
-        self.owner = {piece.key: owners[piece.key] for _, pieces in banks for piece in pieces}
-        self.warm = {piece.key: bool(optimizer.state[piece.param]["step"] > 0)
-                     and keeps_warm_start(piece, optimizer.options) for _, pieces in banks for piece in pieces}
-        self.keeps = {piece.key: keeps_warm_start(piece, optimizer.options) for _, pieces in banks for piece in pieces}
+        every = [piece for _, pieces in banks for piece in pieces]
+        self.owner = {piece.key: owners[piece.key] for piece in every}
+        self.by_owner = [[piece for piece in every if self.owner[piece.key] == rank] for rank in range(layout.size)]
+        self.keeps = {piece.key: keeps_warm_start(piece, optimizer.options) for piece in every}
+        # the warm start travels once the parameter has stepped (until then it is zero)
+        self.warm = {piece.key: self.keeps[piece.key] and bool(optimizer.state[piece.param]["step"] > 0)
+                     for piece in every}
 
     def pieces_of(self, rank):
-        return [piece for _, pieces in self.banks for piece in pieces if self.owner[piece.key] == rank]
+        """The pieces `rank` owns, in bank order."""
+        return self.by_owner[rank]
 
     # what one rank sends to another, in order, both ways (sizes from the shapes alone)
 
+    def parts(self, piece, rank, matrices, dual):
+        """[(name, numel)] of rank `rank`'s part of `piece`: its box of each of `matrices`, then
+        (where `dual`) its rows of the warm start Lambda."""
+        box = box_numel(piece_box(piece, self.layout, rank))
+        rows = dual_rows(piece, self.layout, rank)
+        return [(name, box) for name in matrices] + \
+            ([("dual", (rows.stop - rows.start) * warm_shape(piece)[1])] if dual else [])
+
     def out_parts(self, piece, sender):
-        """[(name, numel)] of what `sender` sends the owner of `piece`: its part of W, of G, of Lambda."""
-        box = piece_box(piece, self.layout, sender)
-        parts = [("W", box_numel(box)), ("G", box_numel(box))]
-        if self.warm[piece.key]:
-            rows = dual_rows(piece, self.layout, sender)
-            parts.append(("dual", (rows.stop - rows.start) * warm_shape(piece)[1]))
-        return parts
+        """What `sender` sends the owner of `piece`: its part of W, of G and, once warm, of Lambda."""
+        return self.parts(piece, sender, ("W", "G"), self.warm[piece.key])
 
     def back_parts(self, piece, receiver):
-        box = piece_box(piece, self.layout, receiver)
-        parts = [("W", box_numel(box))]
-        if self.keeps[piece.key]:
-            rows = dual_rows(piece, self.layout, receiver)
-            parts.append(("dual", (rows.stop - rows.start) * warm_shape(piece)[1]))
-        return parts
+        """What the owner of `piece` sends `receiver`: its part of the new W and, if kept, Lambda."""
+        return self.parts(piece, receiver, ("W",), self.keeps[piece.key])
 
     def run(self, momenta):
         """momenta: {id(param): local G}. Writes every new weight and warm start in place."""

@@ -107,12 +107,20 @@ def test_hsdp_trains_as_ddp(runs):
     assert sorted(hsdp) == list(range(1, 31)) and max(abs(hsdp[s] - ddp[s]) for s in ddp) <= 1e-4
 
 
-@pytest.mark.parametrize("where", ["resumed-fsdp", "resumed-one"])
-def test_an_fsdp_checkpoint_resumes_on_two_sharded_ranks_and_on_one_unsharded(runs, where):
-    straight, resumed = train_losses(runs["root"] / "fsdp-hetero"), train_losses(runs["root"] / where)
+# (the run that saved the step-15 checkpoint, the run that resumed it)
+RESUMES = {"an fsdp checkpoint on 2 ranks with --fsdp": ("fsdp-hetero", "resumed-fsdp"),
+           "an fsdp checkpoint on 1 rank without --fsdp": ("fsdp-hetero", "resumed-one"),
+           "a DDP checkpoint on 2 ranks with --fsdp": ("ddp-hetero", "resumed-from-ddp"),
+           "a 2-rank fsdp checkpoint on 3 ranks": ("fsdp-12", "resumed-three")}
+
+
+@pytest.mark.parametrize("case", RESUMES)
+def test_a_checkpoint_resumes_on_another_layout_and_number_of_ranks(runs, case):
+    saved, where = RESUMES[case]
+    straight, resumed = train_losses(runs["root"] / saved), train_losses(runs["root"] / where)
     assert sorted(resumed) == list(range(16, 31))  # resumed at step 15, trained 16..30
     gap = max(abs(resumed[s] - straight[s]) for s in resumed)
-    print(f"{where}: resumed steps 16-30 within {gap:.1e} of the straight run")
+    print(f"{case}: resumed steps 16-30 within {gap:.1e} of the straight run")
     assert gap <= 1e-4
 
 
@@ -161,19 +169,3 @@ def test_what_fsdp_does_not_support_is_one_clear_error(flags, message):
     args = train_gpt2.parse_args(["--data-dir", "unused", *RUN, "--batch-size", "4", *flags])
     with pytest.raises(UserError, match=message):
         train_gpt2.validate_args(args, world_size=2)
-
-
-def test_a_ddp_checkpoint_resumes_under_fsdp(runs):
-    straight, resumed = train_losses(runs["root"] / "ddp-hetero"), train_losses(runs["root"] / "resumed-from-ddp")
-    assert sorted(resumed) == list(range(16, 31))
-    gap = max(abs(resumed[s] - straight[s]) for s in resumed)
-    print(f"DDP step-15 checkpoint resumed under --fsdp: steps 16-30 within {gap:.1e} of the DDP run")
-    assert gap <= 1e-4
-
-
-def test_a_two_rank_fsdp_checkpoint_resumes_on_three_ranks(runs):
-    straight, resumed = train_losses(runs["root"] / "fsdp-12"), train_losses(runs["root"] / "resumed-three")
-    assert sorted(resumed) == list(range(16, 31))
-    gap = max(abs(resumed[s] - straight[s]) for s in resumed)
-    print(f"2-rank --fsdp checkpoint resumed on 3 ranks: steps 16-30 within {gap:.1e}")
-    assert gap <= 1e-4
