@@ -36,8 +36,8 @@ from data.shards import ShardError, ShardReader
 from errors import UserError, WriteError, run_cli
 from kernels import BACKENDS as KERNEL_BACKENDS, check_backend
 from kernels.logit_max import causal_logit_max
-from training.checkpoints import (check_resumable, checkpoint_path, checkpoint_payload, find_resume_checkpoint, restore,
-                                  restore_run, run_payload, save_atomic, save_checkpoint)
+from training.checkpoints import (check_resumable, checkpoint_path, checkpoint_payload, find_resume_checkpoint,
+                                  load_muon_state, restore, restore_run, run_payload, save_atomic, save_checkpoint)
 from training.auto_assign import AutoAssign
 from training.fsdp import check_fsdp_flags, gathered_matrix_stats, shard_model, whole
 from training.sharded_checkpoints import find_sharded_resume, load_sharded, save_sharded, sharded_checkpoint_path
@@ -1039,10 +1039,7 @@ def resume(run, payload, path):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         set_model_state_dict(run.model, payload["model"], options=StateDictOptions(full_state_dict=True))
         run.adamw.load_state_dict(shard_full_state(run.adamw, payload["adamw"]))
-        caps = [group.get("dgram_cap") for group in run.muon.param_groups]
-        run.muon.load_state_dict(shard_full_state(run.muon, payload["muon"]))
-        for group, cap in zip(run.muon.param_groups, caps):  # this run's flag, as restore() keeps it
-            group["dgram_cap"] = cap
+        load_muon_state(run.muon, shard_full_state(run.muon, payload["muon"]))
         solver_changes = restore_run(payload, run.args)
     else:
         solver_changes = restore(payload, run.model, run.adamw, run.muon, run.args)

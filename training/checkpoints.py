@@ -295,11 +295,17 @@ def restore(payload, model, adamw, muon, args):
     check_resumable(payload, args)
     model.load_state_dict(payload["model"])
     adamw.load_state_dict(payload["adamw"])
+    load_muon_state(muon, payload["muon"])
+    return restore_run(payload, args)
+
+
+def load_muon_state(muon, state_dict):
+    """ManifoldMuon's state from a checkpoint; --dgram-cap stays this run's (load_state_dict brings
+    back the checkpoint's group options)."""
     caps = [group.get("dgram_cap") for group in muon.param_groups]
-    muon.load_state_dict(payload["muon"])  # brings back the checkpoint's group options
+    muon.load_state_dict(state_dict)
     for group, cap in zip(muon.param_groups, caps):
         group["dgram_cap"] = cap
-    return restore_run(payload, args)
 
 
 def check_resumable(payload, args):
