@@ -231,7 +231,8 @@ def count_all(args, fake):
         # matmul parameters of forward+backward: all but the position embedding (a lookup; the
         # token embedding is tied to the head, a product)
         matmul_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-    return counts, owners, matmul_params, opt.plan
+        shapes = [tuple(p.shape) for p in params]
+    return counts, owners, (matmul_params, shapes), opt.plan
 
 
 # --- the estimate -------------------------------------------------------------------------------
@@ -254,6 +255,18 @@ def estimate(summary):
     return parts
 
 
+def field_muon(shapes, world_size):
+    """The field's Muon on the same matrices, for comparison: 5 Polar Express (or quintic
+    Newton-Schulz) steps in bf16 on the wide orientation, 4 m^2 n + 2 m^3 FLOPs each for an
+    m x n matrix (m <= n: S = X X^T, S^2, B X), the matrices split evenly over the ranks
+    (modded-nanogpt, dion); launches: one batched sign per shape (a normalisation and 3
+    products a step, 17 launches)."""
+    flops = sum(5 * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for r, c in shapes)
+    launches = 17 * len({(min(r, c), max(r, c)) for r, c in shapes})
+    seconds = flops / world_size / H200["bf16_flops"] + launches * H200["launch_s"]
+    return {"flops": flops, "flops_per_rank": flops / world_size, "launches": launches, "seconds": seconds}
+
+
 def fwd_bwd(args, matmul_params, world_size):
     tokens = args.tokens // world_size
     flops = 6 * matmul_params * tokens + 12 * args.n_layer * args.n_embd * args.seq_len * tokens
@@ -266,7 +279,7 @@ def gf(x):
     return f"{x / 1e9:.1f}"
 
 
-def print_world(world_size, ranks, owners, fb):
+def print_world(world_size, ranks, owners, fb, muon):
     labels = sorted({label for r in ranks for label in r["flops_by_precision"]})
     print(f"\nworld size {world_size}" + (" (per rank; the step waits for the slowest)" if world_size > 1 else "") + ":")
     head = (f"  {'rank':>4} {'pieces':>6} " + " ".join(f"{'GFLOP ' + label:>19}" for label in labels)
@@ -291,6 +304,11 @@ def print_world(world_size, ranks, owners, fb):
           f"all-gather {1e3 * est['all_gather']:.2f}); "
           f"fwd+bwd of {fb['tokens_per_rank']} tokens {1e3 * fb['seconds']:.1f} ms; "
           f"ratio {est['total'] / fb['seconds']:.3f}")
+    flops = sum(r["flops_total"] for r in ranks)
+    print(f"  against the field's Muon (bf16, 5 steps) on the same matrices: FLOPs {flops / 1e9:.0f} / "
+          f"{muon['flops'] / 1e9:.0f} GFLOP = {flops / muon['flops']:.2f}x (all ranks); ESTIMATE "
+          f"{1e3 * est['total']:.2f} / {1e3 * muon['seconds']:.2f} ms = {est['total'] / muon['seconds']:.2f}x"
+          f"{' per rank' if world_size > 1 else ''}")
 
 
 def main(argv=None):
@@ -334,7 +352,7 @@ def count_and_report(args, out):
     t0 = time.perf_counter()
     if args.fake:
         try:
-            counts, owners, matmul_params, plan = count_all(args, fake=True)
+            counts, owners, (matmul_params, shapes), plan = count_all(args, fake=True)
             mode = "fake"
         except FAKE_ERRORS:
             note = "needs a real run: the step reads device values on the host"
@@ -343,12 +361,12 @@ def count_and_report(args, out):
                 print(f"--fake-only: {note} (at least 1 sync); nothing counted", file=sys.stderr)
                 return 3
             print(f"--fake: {note}; counting a real run", flush=True)
-            counts, owners, matmul_params, plan = count_all(args, fake=False)
+            counts, owners, (matmul_params, shapes), plan = count_all(args, fake=False)
             syncs = counts[args.world_size[0]][0]["host_syncs"]
             out.put("fake", value=f"{note} ({syncs} syncs)")
             print(f"  ({syncs} syncs in the counted step)")
     else:
-        counts, owners, matmul_params, plan = count_all(args, fake=False)
+        counts, owners, (matmul_params, shapes), plan = count_all(args, fake=False)
     out.put("mode", value=mode)
     out.put("solver", value=plan.as_dict())
     out.put("seconds", value=time.perf_counter() - t0)
@@ -361,13 +379,17 @@ def count_and_report(args, out):
           f"{LINALG_NOTE}; fwd+bwd 6 N T + 12 L d s T FLOPs at 395 TFLOP/s (N = {matmul_params:,})")
     for world_size, ranks in counts.items():
         fb = fwd_bwd(args, matmul_params, world_size)
-        print_world(world_size, ranks, owners[world_size], fb)
+        muon = field_muon(shapes, world_size)
+        print_world(world_size, ranks, owners[world_size], fb, muon)
         slowest = max(range(world_size), key=lambda r: estimate(ranks[r])["total"])
         out.put("world_size", str(world_size), value={
             "ranks": ranks, "owned_pieces": owners[world_size],
             "estimate_per_rank": [estimate(r) for r in ranks],
             "estimate_slowest_rank": slowest, "fwd_bwd": fb,
             "ratio_estimate": estimate(ranks[slowest])["total"] / fb["seconds"],
+            "field_muon": muon,
+            "ratio_flops_to_field_muon": sum(r["flops_total"] for r in ranks) / muon["flops"],
+            "ratio_estimate_to_field_muon": estimate(ranks[slowest])["total"] / muon["seconds"],
             "flops_total_all_ranks": sum(r["flops_total"] for r in ranks)})
     first = counts[args.world_size[0]][0]
     print(f"\ntop {args.top} kernels (world size {args.world_size[0]}, rank 0; views and allocations excluded): "

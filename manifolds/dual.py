@@ -31,9 +31,11 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels.products_torch import pair_scale
 from kernels.matrix_sign import CLIP_SCHEDULE, EXACT_SCHEDULE, POLAR_SCHEDULE
 from manifolds.geometry import geometry
-from manifolds.plan import CHECK_EVERY, MUON_STEPS, NORM_ITERS, NORM_SQUARINGS, RHO_MAX, SolverOptions, plan_for
+from manifolds.plan import (CHECK_EVERY, EXACT_PE_STEPS, MUON_STEPS, NORM_ITERS, NORM_SQUARINGS, ONLINE_COLD, RHO_MAX,
+                            SolverOptions, plan_for)
 from manifolds.span import StackedSpans, top_eigenvalue, top_eigenvalue_bound
 
 __all__ = ["SolverOptions", "Solution", "solve_tall_banks", "steepest_direction"]
@@ -217,6 +219,60 @@ def admm_iterations(W, G, geo, correction, plan, d2, project=None):
     return B, new_correction, relative_residual(W, sumsq), k + 1
 
 
+# --- the online scheme: one dual step per training step -----------------------------------
+
+class FullProblem:
+    """The tangent geometry of full p x q matrices W (on their manifold) in the form the solvers'
+    iterations use; span.StackedSpans gives the same three operations in span coordinates."""
+
+    def __init__(self, W, geo, d2, backend):
+        self.W, self.geo, self.d2, self.backend = W, geo, d2, backend
+
+    def multiplier(self, Y):
+        """M = P(W^T Y + Y^T W) / (d_i^2 + d_j^2): Y - W M is Y's tangent projection."""
+        return self.geo.preconditioned(self.W, Y, self.d2, 1.0, self.backend)
+
+    def times_W(self, M, Y, alpha):
+        """Y + alpha W M."""
+        return kernels.matmul_add(self.W, M, Y, alpha=alpha, backend=self.backend)
+
+    def project(self, Y):
+        return self.times_W(self.multiplier(Y), Y, -1.0)
+
+
+def online_iterations(problem, G, correction, plan):
+    """(B, correction, residual, iterations) of dual descent on ||G + 2 W Lambda||_*, one step
+    per training step from the previous step's multiplier (ONLINE_COLD steps from a cold start).
+
+    With Lambda = Lambda0 + C (Lambda0 the Euclidean projection's multiplier, C the correction
+    kept across steps, q x q), each step is
+
+        X = Proj_T(G) + 2 W C;   A = msign(X);   M = P(W^T A + A^T W) / (d_i^2 + d_j^2)
+        C <- C - dual_step (s / 2) M,   s = ||X||_F / sqrt(q)
+
+    M is the preconditioned dual gradient. The step is Newton's for a polar factor that
+    moves by dX / s: then H = P(W^T A + A^T W) moves by 2 (d_i^2 + d_j^2) dLambda / s, and
+    dLambda = -s M / 2 cancels it; s, the rms singular value of X, stands in for all of them.
+    The answer is Proj_T(A) = A - W M: tangent exactly, with ||.||_op about 1 (finalize_banks
+    bounds it). Lambda changes slowly from step to step, so a step from the last one tracks the
+    optimum at the cost of one matrix sign: ADMM spends two per iteration and 3 iterations.
+    """
+    W = problem.W
+    q = W.size(-1)
+    GT = problem.project(G)
+    warm = correction is not None
+    C = correction if warm else torch.zeros(W.shape[:-2] + (q, q), dtype=W.dtype, device=W.device)
+    steps = 1 if warm else ONLINE_COLD
+    for k in range(steps):
+        X = problem.times_W(C, GT, 2.0) if warm or k > 0 else GT
+        A = polar(X, plan)
+        M = problem.multiplier(A)
+        rms = (X.square().sum(dim=(-2, -1)) / q).sqrt()[..., None, None]
+        C = C - (0.5 * plan.options.dual_step) * rms * M
+    H = M * pair_scale(problem.d2)  # P(W^T A + A^T W) of the last sign
+    return problem.times_W(M, A, -1.0), C, relative_residual(W, H.square().sum(dim=(-2, -1))), steps
+
+
 def span_iterations(spans, correction, plan):
     """admm_iterations on stacked span problems, their products at plan.precision: under tf32 they
     read TF32 operands (kernels.tf32_products), under bf16 the iterates themselves are bf16. The
@@ -273,6 +329,18 @@ def admm_full(W, G, geo, correction, plan):
     return Solution(finalize_banks([(W, B, geo, d2)], plan)[0], correction, residual, iterations)
 
 
+def online_full(W, G, geo, correction, plan):
+    """The online scheme (online_iterations) on full p x q matrices of any shape: no span
+    reduction (whose Grams and lift need fp32 products: on a GPU they would cost more than the
+    one sign they save). Under tf32 the products with W read TF32 operands: the answer is then
+    tangent to ~5e-4 of its size, which the fp32 retraction absorbs; in fp32 it is exact."""
+    d2 = geo.squared_norms(W)
+    with kernels.tf32_products(plan.tf32):
+        B, correction, residual, iterations = online_iterations(FullProblem(W, geo, d2, plan.backend), G,
+                                                                correction, plan)
+    return Solution(finalize_banks([(W, B, geo, d2)], plan, project=False)[0], correction, residual, iterations)
+
+
 def admm(W, G, geo, correction, plan):
     """ADMM on one bank of any batch shape: in span coordinates for rows >= 2 cols."""
     if not reducible(W, geo):
@@ -308,8 +376,11 @@ def exact_square_stiefel(W, G, geo, plan):
         with kernels.tf32_products():
             A = kernels.msign(X, plan.exact_sign[1], 0, plan.backend, schedule=EXACT_SCHEDULE)
     else:
-        A = kernels.msign(X, *MUON_STEPS, plan.backend)
-    A = kernels.orthonormalize_near(A, steps=2, backend=plan.backend)
+        A = kernels.msign(X, *EXACT_PE_STEPS, plan.backend)
+    if plan.options.scheme != "online":
+        # the online scheme skips this polish: the final projection makes A tangent and the
+        # bound unit; the sign's own accuracy (~1e-3 at TF32) is what the quality loses
+        A = kernels.orthonormalize_near(A, steps=2, backend=plan.backend)
     residual = relative_residual(W, geo.tangent_residual(W, A, plan.backend, with_norm=True)[1])
     return Solution(finalize_banks([(W, A, geo, d2)], plan)[0], None, residual, 0)
 
@@ -343,11 +414,13 @@ def solve_tall(W, G, geo, state, plan):
     """One bank on the tall orientation (W, G: (..., p, q), p >= q); G need not be normalised."""
     G = unit(G)
     if not geo.constrained:
-        A = kernels.msign(G, *MUON_STEPS, plan.backend)
+        # plain Muon as the field runs it: Polar Express in the sign dtype (bf16 on a GPU), no polish
+        A = in_sign_dtype(lambda X: kernels.msign(X, *MUON_STEPS, plan.backend), G, plan)
         return Solution(A, None, torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device), 0)
     if geo.exact_square_step and W.size(-2) == W.size(-1):
         return exact_square_stiefel(W, G, geo, plan)
-    solution = admm(W, G, geo, state, plan)
+    solve = online_full if plan.options.scheme == "online" else admm
+    solution = solve(W, G, geo, state, plan)
     if geo.has_boundary:
         solution = solve_capped(W, G, geo, state, plan, solution)
     return solution
@@ -362,6 +435,8 @@ def solve_tall_banks(banks, plan):
     iteration one launch for all. Every other bank goes through solve_tall.
     """
     solutions = [None] * len(banks)
+    if plan.options.scheme == "online":
+        return online_banks(banks, plan)
     stacks = {}
     for i, (W, G, geo, state) in enumerate(banks):
         if geo.kernel_name is not None and not geo.has_boundary and reducible(W, geo):
@@ -372,6 +447,28 @@ def solve_tall_banks(banks, plan):
     for members in stacks.values():
         for (i, _), solution in zip(members, admm_in_span([problem for _, problem in members], plan)):
             solutions[i] = solution
+    return solutions
+
+
+def online_banks(banks, plan):
+    """solve_tall_banks under the online scheme: banks of one shape, manifold and warm/cold start
+    are one batch (GPT-2's c_fc and mlp.c_proj on DGram, both 3072 x 768 tall, solve together)."""
+    solutions = [None] * len(banks)
+    stacks = {}
+    for i, (W, G, geo, state) in enumerate(banks):
+        square_step = geo.exact_square_step and W.size(-2) == W.size(-1)
+        if geo.constrained and geo.kernel_name is not None and not geo.has_boundary and not square_step:
+            key = (W.shape[1:], geo.kernel_name, state is None, W.dtype, W.device)
+            stacks.setdefault(key, []).append(i)
+        else:
+            solutions[i] = solve_tall(W, G, geo, state, plan)
+    for members in stacks.values():
+        cat = lambda k: torch.cat([banks[i][k] for i in members])  # noqa: E731
+        warm = banks[members[0]][3] is not None
+        s = online_full(cat(0), unit(cat(1)), banks[members[0]][2], cat(3) if warm else None, plan)
+        sizes = [banks[i][0].size(0) for i in members]
+        for i, A, c, r in zip(members, s.A.split(sizes), s.state.split(sizes), s.residual.split(sizes)):
+            solutions[i] = Solution(A, c, r, s.iterations)
     return solutions
 
 
@@ -387,12 +484,13 @@ def solve_capped(W, G, geo, state, plan, solution, rounds=3):
     if not plan.capturable and not bool(at_cap.any()):
         return solution
     pinned = torch.zeros_like(at_cap)
+    solve = online_full if plan.options.scheme == "online" else admm
     for _ in range(rounds):
         growing = at_cap & ~pinned & (torch.diagonal(W.mT @ solution.A, dim1=-2, dim2=-1) < 0)
         if not plan.capturable and not bool(growing.any()):
             break
         pinned = pinned | growing
-        solution = admm(W, G, geo.pin(pinned), state, plan)
+        solution = solve(W, G, geo.pin(pinned), state, plan)
     return solution
 
 

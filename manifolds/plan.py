@@ -22,9 +22,13 @@ CLIPS = ("auto", "eigh", "polynomial")
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 CAPTURABLE = ("auto", True, False)
 SOLVERS = ("fast", "reference")
+SCHEMES = ("online", "admm")
 
 # Fixed budgets (not settings: no experiment moves them)
-MUON_STEPS = (5, 2)  # plain Muon's msign: Polar Express steps, then Newton-Schulz polish steps
+MUON_STEPS = (5, 0)  # plain Muon's msign, as the field runs it: 5 Polar Express steps, no polish,
+                     # in the plan's sign dtype (bf16 on a GPU)
+EXACT_PE_STEPS = (5, 2)  # square Stiefel's exact sign below TF32: Polar Express, then 2 Newton-Schulz polish
+ONLINE_COLD = 4      # online scheme: dual steps of a cold solve (the first step has no multiplier yet)
 NORM_ITERS = 8       # power steps (on S^32) of the penalty's ||Proj_T G||_op estimate
 NORM_SQUARINGS = 10  # squarings (S^1024) of the final renormalisation's bound on ||A||_op
 CHECK_EVERY = 2      # ADMM iterations between convergence checks (host syncs) when not capturable
@@ -33,6 +37,8 @@ RHO_MAX = 10.0       # the warm penalty's growth stops here (relative to ||Proj_
 
 @dataclass(frozen=True)
 class SolverOptions:
+    scheme: str = "admm"       # admm: ADMM to a fixed budget (below); online: one dual step per training step (research)
+    dual_step: float = 0.25    # online: the dual step, as a fraction of its Newton estimate
     iterations: int = 3        # ADMM iterations from a warm start; x2 cold, x2 again for rows < 2 cols
     pullbacks: int = 2         # rounds of B <- Proj_T(pull_back(B)) on ADMM's answer
     rho: float = 0.5           # ADMM penalty from a cold start, relative to ||Proj_T G||_op
@@ -48,6 +54,10 @@ class SolverOptions:
     solver: str = "fast"       # fast (this plan), or reference: manifolds/reference.py, exact SVDs, slow
 
     def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"unknown solver scheme {self.scheme!r}; valid: {', '.join(SCHEMES)}")
+        if not 0 < self.dual_step <= 2:
+            raise ValueError(f"dual_step must lie in (0, 2]; got {self.dual_step}")
         if self.solver not in SOLVERS:
             raise ValueError(f"unknown solver {self.solver!r}; valid: {', '.join(SOLVERS)}")
         if self.clip not in CLIPS:
@@ -141,7 +151,7 @@ class SolverPlan:
         record = asdict(self)
         record["options"] = asdict(self.options)
         record["exact_sign"] = list(self.exact_sign)
-        record["fixed"] = {"muon_steps": list(MUON_STEPS), "norm_iters": NORM_ITERS,
+        record["fixed"] = {"muon_steps": list(MUON_STEPS), "online_cold": ONLINE_COLD, "norm_iters": NORM_ITERS,
                            "norm_squarings": NORM_SQUARINGS, "check_every": CHECK_EVERY,
                            "rho_max": RHO_MAX}
         return record
@@ -155,9 +165,12 @@ class SolverPlan:
         sign = "" if self.clip == "eigh" else f", signs {self.sign_dtype} (clip {self.clip_steps} steps, polar {self.polar_steps})"
         return (f"solver on {self.device}: kernels {self.backend}, clip {self.clip}, iterations {self.precision}{sign}, "
                 f"square stiefel exact ({self.exact_sign[0]} {self.exact_sign[1]}), "
-                f"capturable {'on' if self.capturable else 'off'}; ADMM {o.iterations} warm / {2 * o.iterations} cold "
-                f"(x2 near-square), pullbacks {o.pullbacks}, rho {o.rho} / {o.rho_warm} x{o.rho_growth}, "
-                f"relax {o.relax}, warm average {o.warm_average}, tol {o.tol:g}")
+                f"capturable {'on' if self.capturable else 'off'}; " + (
+                    f"online dual: 1 sign per warm step / {ONLINE_COLD} cold, dual step {o.dual_step}, "
+                    f"warm average {o.warm_average}" if o.scheme == "online" else
+                    f"ADMM {o.iterations} warm / {2 * o.iterations} cold "
+                    f"(x2 near-square), pullbacks {o.pullbacks}, rho {o.rho} / {o.rho_warm} x{o.rho_growth}, "
+                    f"relax {o.relax}, warm average {o.warm_average}, tol {o.tol:g}"))
 
 
 def plan_for(options, device, dtype=torch.float32):
@@ -186,7 +199,7 @@ def plan_for(options, device, dtype=torch.float32):
         if options.capturable is True:
             raise ValueError("the reference solver reads values on the host: it cannot be capturable")
         capturable = False
-    exact_sign = ("minimax", len(EXACT_SCHEDULE)) if precision == "tf32" else ("polar-express", sum(MUON_STEPS))
+    exact_sign = ("minimax", len(EXACT_SCHEDULE)) if precision == "tf32" else ("polar-express", sum(EXACT_PE_STEPS))
     return SolverPlan(options=options, device=device.type, backend=backend, clip=clip, precision=precision,
                       sign_dtype="float32" if full else "bfloat16", capturable=bool(capturable),
                       clip_steps=len(CLIP_SCHEDULE) - (0 if full else 1), polar_steps=len(POLAR_SCHEDULE),

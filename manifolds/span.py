@@ -102,14 +102,20 @@ class StackedSpans:
         # here keeps or zeroes entries, so `project` pays one product for P and the metric
         self.projector_scale = self.geo.gram_projector(torch.ones_like(pair)) / pair
 
-    def project(self, Y):
-        """Euclidean projection onto the tangent space at W' = [D; 0]: Y - W' M with
-        M = P(D y + y^T D) / (d_i^2 + d_j^2), y the top q rows of Y. O(q^2)."""
+    def multiplier(self, Y):
+        """M = P(W'^T Y + Y^T W') / (d_i^2 + d_j^2) at W' = [D; 0]: W'^T Y = D y, y the top q
+        rows of Y. O(q^2)."""
+        Dy = self.d.unsqueeze(-1) * Y[..., :self.d.size(-1), :]
+        return (Dy + Dy.mT) * self.projector_scale
+
+    def times_W(self, M, Y, alpha):
+        """Y + alpha W' M: only the top q rows change, by alpha D M. O(q^2)."""
         q = self.d.size(-1)
-        top = Y[..., :q, :]
-        Dy = self.d.unsqueeze(-1) * top
-        M = (Dy + Dy.mT) * self.projector_scale
-        return torch.cat([top - self.d.unsqueeze(-1) * M, Y[..., q:, :]], dim=-2)
+        return torch.cat([Y[..., :q, :] + alpha * self.d.unsqueeze(-1) * M, Y[..., q:, :]], dim=-2)
+
+    def project(self, Y):
+        """Euclidean projection onto the tangent space at W' = [D; 0]: Y - W' M. O(q^2)."""
+        return self.times_W(self.multiplier(Y), Y, -1.0)
 
     def split(self, X):
         return torch.split(X, self.sizes)

@@ -15,7 +15,7 @@ balancing are exact on every rank.
 """
 from kernels.matrix_sign import CLIP_SCHEDULE
 from manifolds.geometry import geometry
-from manifolds.plan import MUON_STEPS
+from manifolds.plan import EXACT_PE_STEPS, MUON_STEPS
 
 
 def sign_work(rows, q, steps):
@@ -30,7 +30,7 @@ def matrix_work(manifold, p, q, plan):
         return {"msign": sign_work(p, q, muon_steps)}
     retraction = sign_work(p, q, 3)  # three Newton-Schulz steps
     if geo.exact_square_step and p == q:
-        return {"multiplier": 3 * p * q * q + q ** 3, "msign": sign_work(p, q, muon_steps),
+        return {"multiplier": 3 * p * q * q + q ** 3, "msign": sign_work(p, q, sum(EXACT_PE_STEPS)),
                 "polish": 2 * p * q * q + sign_work(p, q, 2), "projection and norm": 3 * p * q * q + 5 * q ** 3,
                 "retraction": retraction}
     iterations = plan.options.iterations * (2 if p < 2 * q else 1)

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
-from manifolds.dual import solve_tall_banks
+from manifolds.dual import solve_tall, solve_tall_banks
 from manifolds.geometry import geometry
 from manifolds.plan import SolverOptions, plan_for
-from manifolds.optimum import optimum, random_point
+from manifolds.optimum import optimum, quality, random_point
 from manifolds.reference import (manifold_muon_step_reference, msign, retract, steepest_direction_reference,
                                  tangent_projection, tangent_residual)
 
@@ -130,8 +130,14 @@ def test_banked_directions_have_unit_spectral_norm(plan):
 
     cold = solve_tall_banks(banks(0, None), solver)
     warm = solve_tall_banks(banks(1, [s.state for s in cold]), solver)
-    norms = [n for s in cold + warm for n in spectral_norms(s.A)]
+    # plain Muon ("none") is the field's: 5 Polar Express steps, no polish, singular values in
+    # their band around 1 ([0.859, 1.141]); every constrained answer is unit to UNIT
+    plain = [i for i, (_, m) in enumerate((s, m) for m in manifolds for s in shapes) if m == "none"]
+    solutions = [(i, s) for solved in (cold, warm) for i, s in enumerate(solved)]
+    norms = [n for i, s in solutions if i not in plain for n in spectral_norms(s.A)]
     assert UNIT[0] <= min(norms) and max(norms) <= UNIT[1], (min(norms), max(norms))
+    muon = [n for i, s in solutions if i in plain for n in spectral_norms(s.A)]
+    assert 1.0 < min(muon) and max(muon) <= 1.15, (min(muon), max(muon))
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -256,8 +262,38 @@ def test_row_blocks_and_weight_decay_step_as_the_reference():
     for lo, hi, m in blocks:
         assert relative_gap(qkv_fast[lo:hi], qkv_ref[lo:hi], qkv0[lo:hi]) <= GAP_BOUND["square"], m
         assert manifold_violation(qkv_ref[lo:hi], m) <= 1e-5
-    assert relative_gap(plain_fast, plain_ref, plain0) <= 1e-3  # plain Muon: msign and the decay, both exact
+    # plain Muon: the decay is exact; the fast path's msign is the field's (5 Polar Express steps, no
+    # polish: singular values within 0.141 of 1), the reference's an exact SVD
+    assert relative_gap(plain_fast, plain_ref, plain0) <= 0.15
     # the decay entered both: without it they end elsewhere
-    (_, undecayed, _), = steps_apart(manifold_groups("none", [(16, 32)]), {})
+    (fast_undecayed, undecayed, _), = steps_apart(manifold_groups("none", [(16, 32)]), {})
     (fast, decayed, start), = steps_apart(manifold_groups("none", [(16, 32)], weight_decay=0.5), {})
-    assert relative_gap(decayed, undecayed, start) > 0.02 and relative_gap(fast, decayed, start) <= 1e-3
+    assert relative_gap(decayed, undecayed, start) > 0.02 and relative_gap(fast, decayed, start) <= 0.15
+    assert relative_gap(fast, fast_undecayed, start) > 0.02
+
+
+@pytest.mark.parametrize("manifold", ["stiefel", "dgram", "oblique"])
+def test_online_scheme_gives_tangent_unit_directions_and_stays_on_the_manifold(manifold):
+    # --solver-opt scheme=online (research, not the default): one dual step per training step. Its
+    # answer leaves through an exact projection and the norm bound: tangent to fp32 rounding and
+    # ||A||_op in UNIT, cold and warm; quality against the float64 optimum is lower than ADMM's
+    # (0.8-0.93 on recorded momenta, docs/solver-tuning.md) but a descent direction well above 0.5
+    plan = plan_for(SolverOptions(scheme="online", clip="polynomial", capturable=True), "cpu")
+    W, G = random_point((96, 32), manifold, seed=3)
+    geo = geometry(manifold)
+    cold = solve_tall(W[None], G[None], geo, None, plan)
+    warm = solve_tall(W[None], G[None], geo, cold.state, plan)
+    value, _ = optimum(W.double(), G.double(), manifold, iters=2000)
+    for solution in (cold, warm):
+        A = solution.A[0]
+        assert UNIT[0] <= spectral_norms(A[None])[0] <= UNIT[1]
+        residual = geo.tangent_residual(W.double(), A.double()).abs().max()
+        assert float(residual) <= 1e-5 * float(A.norm())
+        assert quality(W.double(), G.double(), A.double(), value) >= 0.7
+    params = [torch.nn.Parameter(random_point((96, 32), manifold, seed=s)[0]) for s in (4, 5)]
+    opt = ManifoldMuon([{"params": params, "manifold": manifold}], lr=0.05, scheme="online")
+    for _ in range(5):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        assert max(manifold_violation(p.detach(), manifold) for p in params) <= 1e-5

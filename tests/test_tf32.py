@@ -12,7 +12,7 @@ from kernels.precision import round_to_tf32, tf32_active, tf32_products
 from manifolds.dual import solve_tall
 from manifolds.geometry import geometry
 from manifolds.optimum import random_point
-from manifolds.plan import MUON_STEPS, SolverOptions, plan_for
+from manifolds.plan import EXACT_PE_STEPS, SolverOptions, plan_for
 
 
 def cpu_plan(**options):
@@ -190,7 +190,7 @@ def test_plan_schedules_follow_the_iterations_precision(precision):
     assert plan.sign_torch_dtype == (torch.float32 if full else torch.bfloat16)
     assert plan.clip_steps == len(CLIP_SCHEDULE) - (0 if full else 1)
     assert plan.exact_sign == (("minimax", len(EXACT_SCHEDULE)) if precision == "tf32"
-                               else ("polar-express", sum(MUON_STEPS)))
+                               else ("polar-express", sum(EXACT_PE_STEPS)))
 
 
 def test_clip_runs_the_plans_step_count(monkeypatch):
