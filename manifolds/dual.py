@@ -247,7 +247,7 @@ def online_iterations(problem, G, correction, plan):
     With Lambda = Lambda0 + C (Lambda0 the Euclidean projection's multiplier, C the correction
     kept across steps, q x q), each step is
 
-        X = Proj_T(G) + 2 W C;   A = msign(X);   M = P(W^T A + A^T W) / (d_i^2 + d_j^2)
+        X = Proj_T(G) + 2 W C = G + W (2 C - M0);   A = msign(X);   M = P(W^T A + A^T W) / (d_i^2 + d_j^2)
         C <- C - dual_step (s / 2) M,   s = ||X||_F / sqrt(q)
 
     M is the preconditioned dual gradient. The step is Newton's for a polar factor that
@@ -259,12 +259,12 @@ def online_iterations(problem, G, correction, plan):
     """
     W = problem.W
     q = W.size(-1)
-    GT = problem.project(G)
+    M0 = problem.multiplier(G)  # Proj_T(G) = G - W M0
     warm = correction is not None
     C = correction if warm else torch.zeros(W.shape[:-2] + (q, q), dtype=W.dtype, device=W.device)
     steps = 1 if warm else ONLINE_COLD
     for k in range(steps):
-        X = problem.times_W(C, GT, 2.0) if warm or k > 0 else GT
+        X = problem.times_W(2.0 * C - M0, G, 1.0)  # Proj_T(G) + 2 W C in one product
         A = polar(X, plan)
         M = problem.multiplier(A)
         rms = (X.square().sum(dim=(-2, -1)) / q).sqrt()[..., None, None]
@@ -334,11 +334,18 @@ def online_full(W, G, geo, correction, plan):
     reduction (whose Grams and lift need fp32 products: on a GPU they would cost more than the
     one sign they save). Under tf32 the products with W read TF32 operands: the answer is then
     tangent to ~5e-4 of its size, which the fp32 retraction absorbs; in fp32 it is exact."""
+    B, d2, correction, residual, iterations = online_direction(W, G, geo, correction, plan)
+    return Solution(finalize_banks([(W, B, geo, d2)], plan, project=False)[0], correction, residual, iterations)
+
+
+def online_direction(W, G, geo, correction, plan):
+    """(B, d2, correction, residual, iterations) of online_full before finalize_banks (B is
+    tangent: finalize need not project it)."""
     d2 = geo.squared_norms(W)
     with kernels.tf32_products(plan.tf32):
         B, correction, residual, iterations = online_iterations(FullProblem(W, geo, d2, plan.backend), G,
                                                                 correction, plan)
-    return Solution(finalize_banks([(W, B, geo, d2)], plan, project=False)[0], correction, residual, iterations)
+    return B, d2, correction, residual, iterations
 
 
 def admm(W, G, geo, correction, plan):
@@ -369,6 +376,12 @@ def exact_square_stiefel(W, G, geo, plan):
     of the bound: skew(W^T G) keeps such small ones) with TF32 products; else Polar Express and its
     polish. Two fp32 Newton-Schulz steps and the exact final projection then make it tangent and
     unit to fp32 accuracy either way."""
+    A, d2, residual = exact_square_direction(W, G, geo, plan)
+    return Solution(finalize_banks([(W, A, geo, d2)], plan)[0], None, residual, 0)
+
+
+def exact_square_direction(W, G, geo, plan):
+    """(A, d2, residual) of exact_square_stiefel before finalize_banks (which must project it)."""
     d2 = geo.squared_norms(W)
     Lambda0 = geo.preconditioned(W, G, d2, -0.5, plan.backend)
     X = kernels.matmul_add(W, Lambda0, G, alpha=2.0, backend=plan.backend)  # G + 2 W Lambda0
@@ -381,14 +394,13 @@ def exact_square_stiefel(W, G, geo, plan):
         # the online scheme skips this polish: the final projection makes A tangent and the
         # bound unit; the sign's own accuracy (~1e-3 at TF32) is what the quality loses
         A = kernels.orthonormalize_near(A, steps=2, backend=plan.backend)
-    residual = relative_residual(W, geo.tangent_residual(W, A, plan.backend, with_norm=True)[1])
-    return Solution(finalize_banks([(W, A, geo, d2)], plan)[0], None, residual, 0)
+    return A, d2, relative_residual(W, geo.tangent_residual(W, A, plan.backend, with_norm=True)[1])
 
 
 def finalize_banks(banks, plan, project=True):
     """[A / b] for banks [(W, A, geo, d2)] of one q (any rows, any batch shape), each A first
     projected exactly onto the tangent space at W (project=False: already tangent to fp32
-    rounding, the span's lift), and b^2 >= ||A||_op^2 = lam_1(A^T A) an upper bound
+    rounding, the span's lift; or one bool per bank), and b^2 >= ||A||_op^2 = lam_1(A^T A) an upper bound
     (span.top_eigenvalue_bound on A^T A to the power 2^NORM_SQUARINGS): ||A||_op <= 1, at most
     ~6e-4 below it (bench/unit_norm.py). One stack of q x q Grams for all; 10 squarings where the
     power iteration before ran 5 and 8 matrix-vector products, whose Rayleigh quotient is a lower
@@ -399,8 +411,9 @@ def finalize_banks(banks, plan, project=True):
     the exact Grams of A rounded to TF32: their noise (~5e-4 relative) lifts the bound on a flat
     spectrum (A up to 7e-4 short of 1) and moves a lone top little (||A||_op <= 1 + 8e-5, measured);
     fp32 Grams would cost 3x (+0.7 ms of ~32 ms, bench.cost_model)."""
-    projected = [geo.tangent_projection(W, A, d2, plan.backend, tf32_correction=plan.tf32) if project else A
-                 for W, A, geo, d2 in banks]
+    flags = project if isinstance(project, (list, tuple)) else [project] * len(banks)
+    projected = [geo.tangent_projection(W, A, d2, plan.backend, tf32_correction=plan.tf32) if flag else A
+                 for (W, A, geo, d2), flag in zip(banks, flags)]
     with kernels.tf32_products(plan.tf32):
         grams = [kernels.sym_product(A.mT, backend=plan.backend).reshape((-1,) + A.shape[-1:] * 2) for A in projected]
     bounds = top_eigenvalue_bound(torch.cat(grams), NORM_SQUARINGS, plan.backend, tf32=plan.tf32)
@@ -454,21 +467,34 @@ def online_banks(banks, plan):
     """solve_tall_banks under the online scheme: banks of one shape, manifold and warm/cold start
     are one batch (GPT-2's c_fc and mlp.c_proj on DGram, both 3072 x 768 tall, solve together)."""
     solutions = [None] * len(banks)
-    stacks = {}
+    stacks, squares = {}, []
     for i, (W, G, geo, state) in enumerate(banks):
-        square_step = geo.exact_square_step and W.size(-2) == W.size(-1)
-        if geo.constrained and geo.kernel_name is not None and not geo.has_boundary and not square_step:
+        if geo.exact_square_step and W.size(-2) == W.size(-1):
+            squares.append(i)
+        elif geo.constrained and geo.kernel_name is not None and not geo.has_boundary:
             key = (W.shape[1:], geo.kernel_name, state is None, W.dtype, W.device)
             stacks.setdefault(key, []).append(i)
         else:
             solutions[i] = solve_tall(W, G, geo, state, plan)
+    # every answer of one q is finalised together: one stack of Grams, one norm bound
+    unfinished = {}  # q -> [(members, W, A, geo, d2, project, state, residual, iterations)]
     for members in stacks.values():
         cat = lambda k: torch.cat([banks[i][k] for i in members])  # noqa: E731
-        warm = banks[members[0]][3] is not None
-        s = online_full(cat(0), unit(cat(1)), banks[members[0]][2], cat(3) if warm else None, plan)
-        sizes = [banks[i][0].size(0) for i in members]
-        for i, A, c, r in zip(members, s.A.split(sizes), s.state.split(sizes), s.residual.split(sizes)):
-            solutions[i] = Solution(A, c, r, s.iterations)
+        W, geo, warm = cat(0), banks[members[0]][2], banks[members[0]][3] is not None
+        B, d2, state, residual, iterations = online_direction(W, unit(cat(1)), geo, cat(3) if warm else None, plan)
+        unfinished.setdefault(W.size(-1), []).append((members, W, B, geo, d2, False, state, residual, iterations))
+    for i in squares:
+        W, G, geo, _ = banks[i]
+        A, d2, residual = exact_square_direction(W, unit(G), geo, plan)
+        unfinished.setdefault(W.size(-1), []).append(([i], W, A, geo, d2, True, None, residual, 0))
+    for group in unfinished.values():
+        directions = finalize_banks([(W, A, geo, d2) for _, W, A, geo, d2, *_ in group], plan,
+                                    project=[flag for *_, flag, _, _, _ in group])
+        for (members, W, _, _, _, _, state, residual, iterations), A in zip(group, directions):
+            sizes = [banks[i][0].size(0) for i in members]
+            states = state.split(sizes) if state is not None else [None] * len(members)
+            for i, a, c, r in zip(members, A.split(sizes), states, residual.split(sizes)):
+                solutions[i] = Solution(a, c, r, iterations)
     return solutions
 
 
