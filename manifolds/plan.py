@@ -37,7 +37,7 @@ RHO_MAX = 10.0       # the warm penalty's growth stops here (relative to ||Proj_
 
 @dataclass(frozen=True)
 class SolverOptions:
-    scheme: str = "admm"       # admm: ADMM to a fixed budget (below); online: one dual step per training step (research)
+    scheme: str = "online"     # online: one dual step per training step; admm: ADMM to the budget below
     dual_step: float = 0.25    # online: the dual step, as a fraction of its Newton estimate
     iterations: int = 3        # ADMM iterations from a warm start; x2 cold, x2 again for rows < 2 cols
     pullbacks: int = 2         # rounds of B <- Proj_T(pull_back(B)) on ADMM's answer

@@ -170,3 +170,21 @@ def test_memory_counts_agree_with_a_live_step_and_fsdp_holds_under_a_sixth_of_dd
     total = lambda held: sum(held.values())  # noqa: E731
     assert total(fsdp) <= total(ddp) / 6, total(fsdp) / total(ddp)
     assert fsdp["parameters"] * 8 >= ddp["parameters"] > fsdp["parameters"] * 7.9  # 1/8, rows rounded up
+
+
+def test_scheme_report_tables_final_losses_and_tests_them(tmp_path):
+    # bench.scheme_report reads bench/scheme_compare.sh's layout and compares the schemes by seed
+    from bench.scheme_report import final_losses, report
+    values = {("online", 1): 5.40, ("online", 2): 5.42, ("online", 3): 5.41,
+              ("admm", 1): 5.50, ("admm", 2): 5.53, ("admm", 3): 5.51}
+    for (scheme, seed), loss in values.items():
+        run = tmp_path / "guard" / scheme / f"seed{seed}" / "hetero"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"status": "completed", "final_val_loss": loss}))
+    table = final_losses(str(tmp_path))
+    assert table[("guard", "online", "hetero")] == {1: 5.40, 2: 5.42, 3: 5.41}
+    text = report(table, "online", "admm")
+    row = [line for line in text.splitlines() if line.startswith("| guard | hetero")][0]
+    assert "5.4100 (0.0100), 3" in row and "-0.1033" in row  # means, sd, n and A − B
+    welch_p = float(row.split("|")[6])
+    assert welch_p < 0.01  # a 0.1 gap over a 0.01 spread

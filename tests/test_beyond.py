@@ -72,14 +72,14 @@ def test_capped_direction_is_optimal_in_the_tangent_cone(shape):
     for seed in range(2):
         W, G, cap = capped_point(shape, seed)
         capped = W.norm(dim=-2) >= cap * (1 - 1e-4)
-        A = steepest_direction(W, G, "dgram-cap", dgram_cap=cap)
+        A = steepest_direction(W, G, "dgram-cap", dgram_cap=cap, scheme="admm")  # the optimal scheme
         # the cone: the DGram tangent constraints, and capped columns do not grow (step W - lr A)
         gram = W.mT @ A + A.mT @ W
         off = gram - torch.diag_embed(torch.diagonal(gram))
         assert float(off.abs().max()) / float(W.norm(dim=-2).mean()) <= 2e-3
         assert float(torch.diagonal(W.mT @ A)[capped].min()) >= -1e-5
         # without the cone the plain DGram direction grows capped columns: the test has teeth
-        plain = steepest_direction(W, G, "dgram")
+        plain = steepest_direction(W, G, "dgram", scheme="admm")
         assert float(torch.diagonal(W.mT @ plain)[capped].min()) < -1e-2
         opt, upper = cone_optimum(W, G, capped)
         assert upper - opt <= 1e-4 * upper, (shape, seed, opt, upper)  # the reference is certified

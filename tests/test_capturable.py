@@ -1,4 +1,4 @@
-"""ManifoldMuon(capturable=True): the GPU's sync-free control flow, run and counted on CPU."""
+"""ManifoldMuon(scheme="admm", capturable=True): the GPU's sync-free control flow, run and counted on CPU."""
 import pytest
 import torch
 
@@ -40,10 +40,10 @@ def hetero_bank(seed=0, d=32, layers=2):
     return groups
 
 
-def run_steps(capturable, steps=4, count_last=False):
+def run_steps(capturable, steps=4, count_last=False, scheme="admm"):
     groups = hetero_bank()
     params = [p for g in groups for p in g["params"]]
-    opt = ManifoldMuon(groups, lr=0.05, capturable=capturable)
+    opt = ManifoldMuon(groups, lr=0.05, scheme=scheme, capturable=capturable)
     g = torch.Generator().manual_seed(1)
     syncs = HostSyncs()
     for step in range(steps):
@@ -64,6 +64,14 @@ def test_a_capturable_warm_step_makes_no_host_sync_and_the_default_does():
     assert free == 0
 
 
+def test_the_online_scheme_makes_no_host_sync_when_capturable_and_fewer_otherwise():
+    # one dual step: no convergence check, no span fallback; the syncing mode reads only
+    # dgram-cap's active set (solve_capped), where ADMM also checks its convergence
+    assert run_steps(True, steps=2, count_last=True, scheme="online")[2] == 0
+    assert 0 < run_steps(False, steps=2, count_last=True, scheme="online")[2] < run_steps(False, steps=2,
+                                                                                            count_last=True)[2]
+
+
 def test_capturable_steps_equal_the_early_exit_ones():
     # the mask freezes finished matrices, so running the whole budget changes nothing
     fixed, opt, _ = run_steps(True)
@@ -79,12 +87,12 @@ def test_capturable_cold_directions_match_and_square_stiefel_stays_exact():
     for manifold, shape in [("stiefel", (24, 24)), ("stiefel", (64, 16)), ("dgram", (64, 16)),
                             ("dgram", (24, 24))]:
         W, G = random_point(shape, manifold, seed=3)
-        A_free = steepest_direction(W, G, manifold, capturable=True)
-        A_sync = steepest_direction(W, G, manifold, capturable=False)
+        A_free = steepest_direction(W, G, manifold, scheme="admm", capturable=True)
+        A_sync = steepest_direction(W, G, manifold, scheme="admm", capturable=False)
         torch.testing.assert_close(A_free, A_sync, rtol=0, atol=1e-5)
     opt, _ = optimum(*random_point((24, 24), "stiefel", seed=3), "stiefel", iters=800)
     W, G = random_point((24, 24), "stiefel", seed=3)
-    assert quality(W, G, steepest_direction(W, G, "stiefel", capturable=True), opt) >= 0.9999
+    assert quality(W, G, steepest_direction(W, G, "stiefel", scheme="admm", capturable=True), opt) >= 0.9999
 
 
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
@@ -94,10 +102,10 @@ def test_sync_free_precision_fallback_is_a_feasible_descent_direction(manifold):
     W, _ = random_point((96, 32), manifold, 0)
     g = torch.Generator().manual_seed(0)
     G = torch.randn(96, 2, generator=g) @ torch.randn(2, 32, generator=g) + 1e-6 * torch.randn(96, 32, generator=g)
-    A = steepest_direction(W, G, manifold, capturable=True)
+    A = steepest_direction(W, G, manifold, scheme="admm", capturable=True)
     assert torch.isfinite(A).all()
     geo = geometry(manifold)
-    plan = plan_for(SolverOptions(capturable=True), "cpu")
+    plan = plan_for(SolverOptions(scheme="admm", capturable=True), "cpu")
     assert int(solve_tall(W, G, geo, None, plan).fallbacks) == 1
     assert int(admm_full(W, unit(G), geo, None, plan).fallbacks) == 0  # the full matrices need no fallback
     residual = geo.tangent_residual(W.double(), A.double())
@@ -121,8 +129,8 @@ def test_layernorm_gradients_stay_in_span_coordinates(manifold):
     assert torch.linalg.matrix_rank(G) == 63
     opt, _ = optimum(W, G, manifold, iters=1500)
     geo = geometry(manifold)
-    span = solve_tall(W.float()[None], G.float()[None], geo, None, plan_for(SolverOptions(capturable=True), "cpu"))
-    full = admm_full(W.float()[None], unit(G.float()[None]), geo, None, plan_for(SolverOptions(capturable=False), "cpu"))
+    span = solve_tall(W.float()[None], G.float()[None], geo, None, plan_for(SolverOptions(scheme="admm", capturable=True), "cpu"))
+    full = admm_full(W.float()[None], unit(G.float()[None]), geo, None, plan_for(SolverOptions(scheme="admm", capturable=False), "cpu"))
     assert int(span.fallbacks) == 0
     assert quality(W, G, span.A[0], opt) >= quality(W, G, full.A[0], opt) - 2e-3
     assert quality(W, G, span.A[0], opt) >= 0.99
@@ -134,11 +142,11 @@ def test_optimizer_stats_count_the_fallbacks():
     params = [torch.nn.Parameter(project_to_manifold(torch.randn(96, 32, generator=g), "stiefel")) for _ in range(2)]
     params[0].grad = torch.randn(96, 2, generator=g) @ torch.randn(2, 32, generator=g) + 1e-6 * torch.randn(96, 32, generator=g)
     params[1].grad = torch.randn(96, 32, generator=g)
-    opt = ManifoldMuon([{"params": params, "manifold": "stiefel"}], lr=0.01, capturable=True)
+    opt = ManifoldMuon([{"params": params, "manifold": "stiefel"}], lr=0.01, scheme="admm", capturable=True)
     opt.step()
     assert opt.stats()["stiefel:96x32"]["fallbacks"] == 1
     assert all(manifold_violation(p.detach(), "stiefel") <= 1e-4 for p in params)
-    opt = ManifoldMuon([{"params": params, "manifold": "stiefel"}], lr=0.01, capturable=False)
+    opt = ManifoldMuon([{"params": params, "manifold": "stiefel"}], lr=0.01, scheme="admm", capturable=False)
     opt.step()
     assert opt.stats()["stiefel:96x32"]["fallbacks"] == 1  # the syncing step takes the same fallback
 
@@ -146,7 +154,7 @@ def test_optimizer_stats_count_the_fallbacks():
 def test_capturable_rejects_a_non_boolean():
     W, G = random_point((32, 16), "stiefel", seed=0)
     with pytest.raises(ValueError, match="capturable must be"):
-        steepest_direction(W, G, "stiefel", capturable="yes")
+        steepest_direction(W, G, "stiefel", scheme="admm", capturable="yes")
 
 
 def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_800_ops_and_sync_free():
@@ -184,7 +192,7 @@ def test_a_growing_warm_penalty_keeps_the_fixed_point_and_gets_closer_in_the_bud
     def warm(shape, manifold, **options):
         W, G = random_point(shape, manifold, seed=5)
         best, _ = optimum(W.double(), G.double(), manifold, iters=800)
-        plan = plan_for(SolverOptions(tol=0, capturable=True, **options), "cpu")
+        plan = plan_for(SolverOptions(scheme="admm", tol=0, capturable=True, **options), "cpu")
         noise = 0.05 * torch.randn(G.shape, generator=torch.Generator().manual_seed(1))
         state = solve_tall(W[None], (G + noise)[None], geometry(manifold), None, plan).state
         A = solve_tall(W[None], G[None], geometry(manifold), state, plan).A[0]
@@ -208,7 +216,7 @@ def graph_run(replay, lr_as_tensor, steps=5):
     for group in groups:
         group["lr"] = torch.tensor(0.05) if lr_as_tensor else 0.05
     params = [p for g in groups for p in g["params"]]
-    opt = ManifoldMuon(groups, capturable=True)
+    opt = ManifoldMuon(groups, scheme="admm", capturable=True)
     gen = torch.Generator().manual_seed(1)
     recorded = None
     for step, lr in enumerate([0.05, 0.04, 0.03, 0.02, 0.01][:steps]):
@@ -286,7 +294,7 @@ def test_a_tolist_moved_into_the_capturable_step_is_reported(monkeypatch):
     monkeypatch.setattr(manifolds.dual, "masked_update", reading)
     assert run_steps(True, steps=2, count_last=True)[2] > 0
     groups = hetero_bank()
-    opt = ManifoldMuon(groups, lr=0.05, capturable=True)
+    opt = ManifoldMuon(groups, lr=0.05, scheme="admm", capturable=True)
     for group in groups:
         for p in group["params"]:
             p.grad = torch.randn(p.shape)
@@ -301,7 +309,7 @@ def test_step_time_checks_its_graph_against_an_eager_step():
     captured step from the same state equals the eager step (here exactly)."""
     from bench.step_time import graphed_step
     groups = hetero_bank()
-    opt = ManifoldMuon(groups, lr=0.05, capturable=True)
+    opt = ManifoldMuon(groups, lr=0.05, scheme="admm", capturable=True)
     for group in groups:
         for p in group["params"]:
             p.grad = torch.randn(p.shape)
@@ -316,7 +324,7 @@ def test_the_warm_start_kept_averages_the_one_started_from_and_the_new_correctio
     # warm_average changes only what the next step starts from: this step's direction is
     # the same, and the state kept is the given mix of the incoming and the new correction
     W, G = random_point((96, 32), "dgram", seed=4)
-    plan = lambda average: plan_for(SolverOptions(tol=0, capturable=True, warm_average=average), "cpu")  # noqa: E731
+    plan = lambda average: plan_for(SolverOptions(scheme="admm", tol=0, capturable=True, warm_average=average), "cpu")  # noqa: E731
     geo = geometry("dgram")
     noise = torch.randn(G.shape, generator=torch.Generator().manual_seed(2), dtype=G.dtype)
     incoming = solve_tall(W[None], (G + 0.5 * noise)[None], geo, None, plan(0.0)).state

@@ -121,9 +121,9 @@ def test_fake_counts_equal_real_counts(tmp_path):
 
 
 def test_a_syncing_step_is_counted_by_a_real_run(tmp_path):
-    # capturable=off checks convergence on the host: fake tensors cannot decide it, so --fake falls
-    # back to a real run and --fake-only refuses
-    flags = ("--world-size", "1", "--solver-opt", "capturable=off")
+    # ADMM's capturable=off checks convergence on the host: fake tensors cannot decide it, so --fake
+    # falls back to a real run and --fake-only refuses (the online scheme has no such check)
+    flags = ("--world-size", "1", "--solver-opt", "capturable=off", "--solver-opt", "scheme=admm")
     status, data = _run(tmp_path, "syncs", *flags, "--fake-only")
     assert status == 3 and data["fake"].startswith("needs a real run")
     status, data = _run(tmp_path, "fallback", *flags, "--fake")

@@ -80,13 +80,20 @@ def runs(tmp_path_factory):
     return out
 
 
+# all-dgram runs --fsdp with gradient accumulation: its gradients round differently from DDP's (~1e-7),
+# and a matrix sign lifts a rank-deficient momentum's noise directions (the online scheme's polar
+# factor, as plain Muon's msign): measured over 30 steps, plain Muon 5.1e-4, the online scheme 9.1e-5
+# to 6.9e-4, ADMM (whose clip lifts nothing) 4.8e-7. A sync error would move the loss by ~1e-1.
+GAP = {"hetero": 1e-4, "all-dgram": 2e-3, "all-stiefel": 1e-4}
+
+
 @pytest.mark.parametrize("assign", ASSIGNS)
 def test_fsdp_trains_as_ddp(runs, assign):
     fsdp, ddp = (train_losses(runs["root"] / f"{kind}-{assign}") for kind in ("fsdp", "ddp"))
     assert sorted(fsdp) == sorted(ddp) == list(range(1, 31))
     gap = max(abs(fsdp[s] - ddp[s]) for s in ddp)
     print(f"{assign}: --fsdp vs DDP, 2 ranks, 30 steps: largest train-loss difference {gap:.1e}")
-    assert gap <= 1e-4
+    assert gap <= GAP[assign]
     with open(runs["root"] / f"fsdp-{assign}" / "summary.json") as f:
         summary = json.load(f)
     assert summary["status"] == "completed" and max(summary["max_manifold_violation"].values()) <= 1e-4
@@ -96,7 +103,7 @@ def test_fsdp_trains_as_ddp(runs, assign):
     for field in ("sigma_max", "sigma_min", "manifold_violation"):
         assert evals[0][field].keys() == evals[1][field].keys(), field
     assert len(evals[0]["attn_logit_max"]) == len(evals[1]["attn_logit_max"]) == 2
-    assert max(abs(evals[0]["sigma_max"][k] - evals[1]["sigma_max"][k]) for k in evals[1]["sigma_max"]) <= 1e-4
+    assert max(abs(evals[0]["sigma_max"][k] - evals[1]["sigma_max"][k]) for k in evals[1]["sigma_max"]) <= GAP[assign]
     folders = sorted(os.listdir(runs["root"] / f"fsdp-{assign}"))
     assert [f for f in folders if f.endswith(".dcp")] == ["ckpt_00000015.dcp", "ckpt_00000030.dcp"]
     assert not [f for f in folders if f.endswith(".tmp")]

@@ -88,16 +88,22 @@ def test_violation_definitions():
 
 # --- steepest direction against the float64 reference -----------------------------------
 
+# cold-start quality floors: ADMM measured 0.994-1.0 on these points; the online scheme (4 dual
+# steps from cold) 0.94-0.96, 0.88 on square DGram (its optimum keeps singular values below 1)
+QUALITY_FLOOR = {"admm": 0.97, "online": 0.85}
+
+
+@pytest.mark.parametrize("scheme", list(QUALITY_FLOOR))
 @pytest.mark.parametrize("manifold", ["stiefel", "dgram"])
 @pytest.mark.parametrize("orientation", list(SHAPES))
 @pytest.mark.parametrize("seed", [0, 1])
-def test_steepest_direction_quality(manifold, orientation, seed):
+def test_steepest_direction_quality(manifold, orientation, seed, scheme):
     W, G = random_point(SHAPES[orientation], manifold, seed)
     opt, upper = optimum(W, G, manifold)
     assert (upper - opt) / upper < 1e-6  # the reference is certified optimal
-    A = steepest_direction(W, G, manifold)
+    A = steepest_direction(W, G, manifold, scheme=scheme)
     assert A.shape == G.shape
-    assert quality(W, G, A, opt) >= 0.97
+    assert quality(W, G, A, opt) >= QUALITY_FLOOR[scheme]
     tall_W, tall_A = (W.mT, A.mT) if orientation == "wide" else (W, A)
     H = MANIFOLDS[manifold].tangent_residual(tall_W.double(), tall_A.double())
     relative = H.square().mean().sqrt() / tall_W.double().norm(dim=0).mean()
@@ -134,7 +140,7 @@ def test_square_stiefel_direction_is_exact():
     C = W.T @ G
     U, _, Vh = torch.linalg.svd(0.5 * (C - C.T))
     exact = W @ U @ Vh
-    A = steepest_direction(W, G, "stiefel").double()
+    A = steepest_direction(W, G, "stiefel", scheme="admm").double()  # online drops the polish: 0.9993
     assert quality(W, G, A, float((G / G.norm() * exact).sum())) >= 0.9999
 
 
@@ -143,7 +149,7 @@ def test_square_dgram_hard_case_ends_tangent():
     # matrix has no smaller span problem) must still be feasible, and near the optimum.
     W, G = random_point((32, 32), "dgram", seed=4)
     opt, _ = optimum(W, G, "dgram")
-    A = steepest_direction(W, G, "dgram")
+    A = steepest_direction(W, G, "dgram", scheme="admm")
     H = MANIFOLDS["dgram"].tangent_residual(W.double(), A.double())
     assert H.abs().max() < 1e-5
     assert torch.linalg.matrix_norm(A.double(), ord=2) <= 1.01
@@ -185,8 +191,10 @@ def test_adaptive_exit_stops_early_when_converged():
     # Checked every CHECK_EVERY iterations when not capturable; capturable runs the whole budget
     # with converged matrices frozen, which must give the early exit's answer.
     W, G = random_point((48, 16), "stiefel", seed=7)
-    early = solve_tall(W, G, geometry("stiefel"), None, plan_for(SolverOptions(iterations=20, capturable=False), "cpu"))
-    full = solve_tall(W, G, geometry("stiefel"), None, plan_for(SolverOptions(iterations=20, capturable=True), "cpu"))
+    early = solve_tall(W, G, geometry("stiefel"), None,
+                       plan_for(SolverOptions(scheme="admm", iterations=20, capturable=False), "cpu"))
+    full = solve_tall(W, G, geometry("stiefel"), None,
+                      plan_for(SolverOptions(scheme="admm", iterations=20, capturable=True), "cpu"))
     assert early.iterations < 40 and full.iterations == 40
     assert torch.equal(early.A, full.A)
 
@@ -303,7 +311,8 @@ def test_tall_banks_survive_a_nearly_rank_deficient_momentum(manifold):
         G = G + 1e-6 * torch.randn(96, 32, generator=g)
         opt, _ = optimum(W, G, manifold, iters=1500)
         for capturable in (False, True):
-            sol = solve_tall(W[None], G[None], geo, None, plan_for(SolverOptions(capturable=capturable), "cpu"))
+            sol = solve_tall(W[None], G[None], geo, None,
+                             plan_for(SolverOptions(scheme="admm", capturable=capturable), "cpu"))
             A = sol.A[0]
             assert torch.isfinite(A).all()
             assert int(sol.fallbacks) == int(fallback)

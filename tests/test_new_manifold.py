@@ -128,10 +128,11 @@ def test_the_reference_solver_trains_as_the_fast_one(data_dir, tmp_path, request
     if "scaled-stiefel" in assign:
         request.getfixturevalue("scaled_stiefel")
     reference, summary = train_losses(data_dir, tmp_path / "reference", assign, "--solver-opt", "solver=reference")
-    fast, _ = train_losses(data_dir, tmp_path / "fast", assign)
+    fast, _ = train_losses(data_dir, tmp_path / "fast", assign, "--solver-opt", "scheme=admm")
     assert largest_gap(reference, fast) <= default_gap
     assert max(summary["max_manifold_violation"].values()) <= 1e-4
     assert reference[-1] < reference[0] - 0.3  # it trains
     if default_gap > 2e-3:  # with a budget that converges, the fast solver meets the reference
-        converged, _ = train_losses(data_dir, tmp_path / "converged", assign, "--solver-opt", "iterations=12")
+        converged, _ = train_losses(data_dir, tmp_path / "converged", assign, "--solver-opt", "scheme=admm",
+                                    "--solver-opt", "iterations=12")
         assert largest_gap(reference, converged) <= 5e-4

@@ -75,7 +75,7 @@ SHAPES = [(64, 16), (16, 64), (48, 32), (32, 32)]
 def test_steepest_direction_reaches_the_reference(manifold, shape):
     W, G = random_point(shape, manifold, seed=4)
     reference, _ = steepest_direction_reference(W, G, manifold, iterations=300)
-    A = steepest_direction(W, G, manifold)
+    A = steepest_direction(W, G, manifold, **ADMM)
     assert A.shape == G.shape and A.dtype == torch.float32
     assert value(G, A) >= 0.99 * value(G, reference)
     assert tangent_residual(tall(W).double(), tall(A).double(), manifold) < 1e-4
@@ -85,7 +85,11 @@ def test_steepest_direction_reaches_the_reference(manifold, shape):
 # the pullbacks leave the rest a little above), where a power-iteration norm fell up to 0.35% short
 NEAR_SQUARE = [(48, 32), (40, 32), (33, 32), (32, 48)]
 # the CPU's defaults, and the GPU's control flow (sync-free, polynomial clip), which a CPU runs too
-PLANS = {"cpu": {}, "gpu-control-flow": dict(capturable=True, clip="polynomial")}
+# the ADMM scheme's two control flows (its accuracy is what the reference checks), and the online
+# scheme (the default) where a property holds for every scheme: unit norm, lr-long steps
+ADMM = {"scheme": "admm"}
+PLANS = {"cpu": ADMM, "gpu-control-flow": dict(ADMM, capturable=True, clip="polynomial"),
+         "online": dict(scheme="online", capturable=True, clip="polynomial")}
 # ||A||_op is divided by an upper bound (dual.finalize_banks): at most 1 (+ rounding), and the bound's
 # slack (its measured largest, 5e-4) must not shorten the step much either
 UNIT = (1 - 2e-3, 1 + 1e-3)
@@ -174,7 +178,7 @@ def test_manifold_muon_step_matches_the_reference_step():
     shapes = {"stiefel": [(64, 16), (32, 32)], "dgram": [(64, 16), (16, 64)]}
     problems = {m: [random_point(shape, m, seed=5 + i) for i, shape in enumerate(s)] for m, s in shapes.items()}
     params = {m: [torch.nn.Parameter(W.clone()) for W, _ in pairs] for m, pairs in problems.items()}
-    opt = ManifoldMuon([{"params": params[m], "manifold": m} for m in problems], lr=lr)
+    opt = ManifoldMuon([{"params": params[m], "manifold": m} for m in problems], lr=lr, **ADMM)
     for m, pairs in problems.items():
         for p, (_, G) in zip(params[m], pairs):
             p.grad = G.clone()
@@ -200,7 +204,7 @@ def steps_apart(groups_of, solver_opts, steps=4, lr=0.05):
     results = []
     for opts in ({}, {"solver": "reference"}):
         groups, params = groups_of()
-        opt = ManifoldMuon(groups, lr=lr, **opts, **solver_opts)
+        opt = ManifoldMuon(groups, lr=lr, **opts, **{**ADMM, **solver_opts})
         start = [p.detach().clone() for p in params]
         g = torch.Generator().manual_seed(11)
         for _ in range(steps):

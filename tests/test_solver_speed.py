@@ -11,7 +11,7 @@ from manifolds.span import StackedSpans
 
 
 def cpu_plan(**options):
-    return plan_for(SolverOptions(**options), "cpu")
+    return plan_for(SolverOptions(**{"scheme": "admm", **options}), "cpu")
 
 
 def one_span(W, G, geo):

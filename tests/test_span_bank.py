@@ -22,7 +22,7 @@ def banks(seed=0, q=16):
 
 @pytest.mark.parametrize("capturable", [False, True])
 def test_stacked_banks_give_the_bank_by_bank_solutions_cold_and_warm(capturable):
-    plan = plan_for(SolverOptions(capturable=capturable), "cpu")
+    plan = plan_for(SolverOptions(scheme="admm", capturable=capturable), "cpu")
     problems = banks()
     alone = [solve_tall(W, G, m, None, plan) for W, G, m in problems]
     together = solve_tall_banks([(W, G, m, None) for W, G, m in problems], plan)
@@ -45,7 +45,7 @@ def test_a_rank_deficient_bank_falls_back_alone():
     g = torch.Generator().manual_seed(0)
     low = torch.randn(3, W.size(1), 2, generator=g) @ torch.randn(3, 2, W.size(2), generator=g)
     problems[1] = (W, low + 1e-6 * torch.randn(W.shape, generator=g), m)
-    plan = plan_for(SolverOptions(), "cpu")
+    plan = plan_for(SolverOptions(scheme="admm"), "cpu")
     together = solve_tall_banks([(W, G, m, None) for W, G, m in problems], plan)
     for k, ((W, G, m), b) in enumerate(zip(problems, together)):
         a = solve_tall(W, G, m, None, plan)
@@ -81,11 +81,11 @@ def test_bf16_iterations_end_in_an_fp32_feasible_direction():
     for manifold in ("stiefel", "dgram"):
         W, G = random_point((96, 32), manifold, seed=4)
         geo = geometry(manifold)
-        A = solve_tall(W[None], G[None], geo, None, plan_for(SolverOptions(precision="bf16"), "cpu")).A[0]
+        A = solve_tall(W[None], G[None], geo, None, plan_for(SolverOptions(scheme="admm", precision="bf16"), "cpu")).A[0]
         assert A.dtype == torch.float32
         assert geo.tangent_residual(W.double(), A.double()).abs().max() <= 1e-5
         assert 1 - 2e-3 <= torch.linalg.matrix_norm(A.double(), 2) <= 1 + 1e-3  # A / (a bound on it), as in fp32
-        exact = solve_tall(W[None], G[None], geo, None, plan_for(SolverOptions(), "cpu")).A[0]
+        exact = solve_tall(W[None], G[None], geo, None, plan_for(SolverOptions(scheme="admm"), "cpu")).A[0]
         assert (A * exact).sum() / (exact * exact).sum() > 0.9  # bf16 rounding, not another answer
     with pytest.raises(ValueError, match="unknown solver precision"):
         SolverOptions(precision="fp8")
@@ -113,7 +113,7 @@ def test_capturable_banks_run_their_whole_budget_and_syncing_ones_may_stop_early
     # here); the sync-free path has no check (a host read): every ADMM bank, alone or stacked,
     # runs admm_budget iterations; the syncing stack stops with its slowest bank
     from manifolds.dual import admm_budget
-    plan = plan_for(SolverOptions(capturable=capturable, iterations=30), "cpu")
+    plan = plan_for(SolverOptions(scheme="admm", capturable=capturable, iterations=30), "cpu")
     problems = [(W, G, geo) for W, G, geo in banks() if W.size(-2) != W.size(-1)]  # square Stiefel: no ADMM
     alone = [solve_tall(W, G, geo, None, plan) for W, G, geo in problems]
     together = solve_tall_banks([(W, G, geo, None) for W, G, geo in problems], plan)

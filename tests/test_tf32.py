@@ -17,7 +17,7 @@ from manifolds.plan import EXACT_PE_STEPS, SolverOptions, plan_for
 
 def cpu_plan(**options):
     """The SolverPlan of these SolverOptions for fp32 CPU tensors, on the torch kernels."""
-    return plan_for(SolverOptions(backend="torch", **options), "cpu")
+    return plan_for(SolverOptions(**{"backend": "torch", "scheme": "admm", **options}), "cpu")
 
 
 def tf32_reference(x):

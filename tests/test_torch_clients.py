@@ -190,8 +190,9 @@ def test_a_square_conv1d_weight_is_on_the_manifold_as_its_maps_linear_weight(man
     # the map's other side is not on the manifold: the side matters for these weights
     assert manifold_violation(twins.conv.weight.detach(), manifold, 1.5) > 1e-3
     # and the two stored forms step the same map: equal up to the solver's amplified rounding (Oblique's
-    # ADMM turns 1e-8 differences of the two layouts' gradients into 4e-5 over 5 steps; the wrong side: 1e-1)
-    torch.testing.assert_close(as_linear, twins.linear.weight.detach(), atol=1e-4, rtol=0)
+    # ADMM turns 1e-8 differences of the two layouts' gradients into 4e-5 over 5 steps, the online
+    # scheme's polar factor of a square matrix into 1.6e-4; the wrong side: 1e-1)
+    torch.testing.assert_close(as_linear, twins.linear.weight.detach(), atol=1e-3, rtol=0)
 
 
 def test_gpt2s_square_attention_output_is_on_dgram_as_a_linear_weight():
