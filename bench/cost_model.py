@@ -255,13 +255,18 @@ def estimate(summary):
     return parts
 
 
+def field_muon_flops(shapes):
+    """The field's Muon: 5 steps of 4 m^2 n + 2 m^3 FLOPs on each m x n matrix (m <= n)."""
+    return sum(5 * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for r, c in shapes)
+
+
 def field_muon(shapes, world_size):
     """The field's Muon on the same matrices, for comparison: 5 Polar Express (or quintic
     Newton-Schulz) steps in bf16 on the wide orientation, 4 m^2 n + 2 m^3 FLOPs each for an
     m x n matrix (m <= n: S = X X^T, S^2, B X), the matrices split evenly over the ranks
     (modded-nanogpt, dion); launches: one batched sign per shape (a normalisation and 3
     products a step, 17 launches)."""
-    flops = sum(5 * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for r, c in shapes)
+    flops = field_muon_flops(shapes)
     launches = 17 * len({(min(r, c), max(r, c)) for r, c in shapes})
     seconds = flops / world_size / H200["bf16_flops"] + launches * H200["launch_s"]
     return {"flops": flops, "flops_per_rank": flops / world_size, "launches": launches, "seconds": seconds}

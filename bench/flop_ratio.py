@@ -16,11 +16,8 @@ import sys
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench.cost_model import field_muon_flops
 from errors import run_cli
-
-
-def field_muon_flops(shapes):
-    return sum(5 * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for r, c in shapes)
 
 
 def count(assign, n_layer, n_embd, solver_opts, seed=0):

@@ -138,3 +138,16 @@ def test_solver_opts_reach_the_trainer_and_bad_ones_are_user_errors():
     assert targs.solver_precision == "tf32" and targs.kernels == "torch"
     with pytest.raises(UserError, match="clip"):
         cost_model.trainer_args(cost_model.parse_args(["--solver-opt", "clip=svd"]))
+
+
+def test_the_step_costs_what_issue_49_allows_by_torchs_own_flop_counter():
+    # torch's FlopCounterMode on transformers' GPT-2 (bench.flop_ratio), width 128 (the ratio of a
+    # layer's matrices depends on their aspect, not their width): the default (online) scheme's hetero
+    # step within 2.5x the field's Muon, all-dgram within 3x, plain Muon within 1.05x; ADMM above 5x
+    from bench.flop_ratio import count
+    ratio = {}
+    for assign, opts in (("hetero", {}), ("all-dgram", {}), ("none", {}), ("hetero-admm", {"scheme": "admm"})):
+        flops, muon = count(assign.replace("-admm", ""), 1, 128, opts)
+        ratio[assign] = flops / muon
+    assert ratio["hetero"] <= 2.5 and ratio["all-dgram"] <= 3.0 and ratio["none"] <= 1.05, ratio
+    assert ratio["hetero-admm"] > 5.0, ratio
