@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -165,10 +166,19 @@ def live(flags, world=2):
                      for r in range(world)]
             for p in procs:
                 p.start()
+            # a rank that dies leaves the others waiting in a collective: stop them all at once
+            deadline = time.monotonic() + 1800
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.2)
             for p in procs:
-                p.join(timeout=1800)
+                if p.is_alive():
+                    p.terminate()
+                p.join()
             if any(p.exitcode != 0 for p in procs):
-                raise SystemExit(f"error: a live rank failed ({'--fsdp' if fsdp else 'DDP'})")
+                codes = [p.exitcode for p in procs]
+                raise SystemExit(f"error: a live rank failed ({'--fsdp' if fsdp else 'DDP'}; exit codes {codes})")
             for r in range(world):
                 measured[fsdp, r] = torch.load(os.path.join(tmp, f"{fsdp}{r}.pt"))
     return measured

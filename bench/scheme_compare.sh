@@ -4,6 +4,7 @@
 # (2 layers x 64, 300 steps) and run.sh quick's (2 layers x 128, 200 steps) on the bundled books,
 # hetero and all-dgram, 3 seeds, with what a GPU runs (polynomial clip, sync-free, TF32 emulated).
 #   bash bench/scheme_compare.sh            (OUT, SEEDS, SCHEMES, ASSIGNS, SETTINGS, JOBS, VENV override)
+#   SCHEMES="online:dual_step=0.1" ASSIGNS=hetero SETTINGS=guard bash bench/scheme_compare.sh   (a variant)
 # Resumable: a run with a summary.json is skipped. Then: python -m tools.sweep_report / tools.stats.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,10 +31,16 @@ for setting in $SETTINGS; do
     for seed in $SEEDS; do
         for assign in $ASSIGNS; do
             for scheme in $SCHEMES; do
-                dir="$OUT/$setting/$scheme/seed$seed/$assign"
+                # a scheme with options: online:dual_step=0.1,... (its folder: online-dual_step=0.1-...)
+                opts="--solver-opt scheme=${scheme%%:*}"
+                if [[ $scheme == *:* ]]; then
+                    IFS=, read -ra extra <<< "${scheme#*:}"
+                    for kv in "${extra[@]}"; do opts+=" --solver-opt $kv"; done
+                fi
+                dir="$OUT/$setting/${scheme//[:,]/-}/seed$seed/$assign"
                 [ -f "$dir/summary.json" ] && continue
                 mkdir -p "$(dirname "$dir")"
-                echo "OMP_NUM_THREADS=1 $PY train_gpt2.py --assign $assign --data-dir $OUT/data --out-dir $dir --overwrite ${MODEL[$setting]} $COMMON --solver-opt scheme=$scheme --seed $seed > $dir.log 2>&1 || echo failed: $dir"
+                echo "OMP_NUM_THREADS=1 $PY train_gpt2.py --assign $assign --data-dir $OUT/data --out-dir $dir --overwrite ${MODEL[$setting]} $COMMON $opts --seed $seed > $dir.log 2>&1 || echo failed: $dir"
             done
         done
     done
