@@ -166,8 +166,8 @@ class SolverPlan:
         return (f"solver on {self.device}: kernels {self.backend}, clip {self.clip}, iterations {self.precision}{sign}, "
                 f"square stiefel exact ({self.exact_sign[0]} {self.exact_sign[1]}), "
                 f"capturable {'on' if self.capturable else 'off'}; " + (
-                    f"online dual: 1 sign per warm step / {ONLINE_COLD} cold, dual step {o.dual_step}, "
-                    f"warm average {o.warm_average}" if o.scheme == "online" else
+                    f"online dual: 1 sign per warm step / {ONLINE_COLD} cold, dual step {o.dual_step}"
+                    if o.scheme == "online" else
                     f"ADMM {o.iterations} warm / {2 * o.iterations} cold "
                     f"(x2 near-square), pullbacks {o.pullbacks}, rho {o.rho} / {o.rho_warm} x{o.rho_growth}, "
                     f"relax {o.relax}, warm average {o.warm_average}, tol {o.tol:g}"))
