@@ -51,18 +51,10 @@ def main(argv=None):
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=768)
     ap.add_argument("--solver-opt", action="append", default=[], metavar="KEY=VALUE",
-                    help="a SolverOptions field for ManifoldMuon (numbers and names as given)")
+                    help="train_gpt2's --solver-opt, repeatable (e.g. scheme=admm)")
     args = ap.parse_args(argv)
-    opts = {}
-    for item in args.solver_opt:
-        key, _, value = item.partition("=")
-        for kind in (int, float):
-            try:
-                value = kind(value)
-                break
-            except ValueError:
-                pass
-        opts[key] = value
+    from train_gpt2 import parse_solver_opts
+    opts = parse_solver_opts(args.solver_opt)  # the trainer's parsing and its errors
     for assign in args.assign:
         flops, muon = count(assign, args.n_layer, args.n_embd, opts)
         print(f"{assign}: {flops / 1e9:.1f} GFLOP, the field's Muon {muon / 1e9:.1f} GFLOP: {flops / muon:.2f}x",

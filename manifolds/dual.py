@@ -222,8 +222,8 @@ def admm_iterations(W, G, geo, correction, plan, d2, project=None):
 # --- the online scheme: one dual step per training step -----------------------------------
 
 class FullProblem:
-    """The tangent geometry of full p x q matrices W (on their manifold) in the form the solvers'
-    iterations use; span.StackedSpans gives the same three operations in span coordinates."""
+    """The tangent geometry of full p x q matrices W (on their manifold) in the form
+    online_iterations uses; span.StackedSpans has the same two operations in span coordinates."""
 
     def __init__(self, W, geo, d2, backend):
         self.W, self.geo, self.d2, self.backend = W, geo, d2, backend
@@ -235,9 +235,6 @@ class FullProblem:
     def times_W(self, M, Y, alpha):
         """Y + alpha W M."""
         return kernels.matmul_add(self.W, M, Y, alpha=alpha, backend=self.backend)
-
-    def project(self, Y):
-        return self.times_W(self.multiplier(Y), Y, -1.0)
 
 
 def online_iterations(problem, G, correction, plan):
@@ -423,6 +420,11 @@ def finalize_banks(banks, plan, project=True):
 
 # --- entry points ---------------------------------------------------------------------------
 
+def scheme_solver(plan):
+    """The solver of one constrained bank under the plan's scheme (the same signature)."""
+    return online_full if plan.options.scheme == "online" else admm
+
+
 def solve_tall(W, G, geo, state, plan):
     """One bank on the tall orientation (W, G: (..., p, q), p >= q); G need not be normalised."""
     G = unit(G)
@@ -432,8 +434,7 @@ def solve_tall(W, G, geo, state, plan):
         return Solution(A, None, torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device), 0)
     if geo.exact_square_step and W.size(-2) == W.size(-1):
         return exact_square_stiefel(W, G, geo, plan)
-    solve = online_full if plan.options.scheme == "online" else admm
-    solution = solve(W, G, geo, state, plan)
+    solution = scheme_solver(plan)(W, G, geo, state, plan)
     if geo.has_boundary:
         solution = solve_capped(W, G, geo, state, plan, solution)
     return solution
@@ -447,9 +448,9 @@ def solve_tall_banks(banks, plan):
     c_attn, c_fc and mlp.c_proj of all layers are 36 problems of 1536 x 768, each product of an
     iteration one launch for all. Every other bank goes through solve_tall.
     """
-    solutions = [None] * len(banks)
     if plan.options.scheme == "online":
         return online_banks(banks, plan)
+    solutions = [None] * len(banks)
     stacks = {}
     for i, (W, G, geo, state) in enumerate(banks):
         if geo.kernel_name is not None and not geo.has_boundary and reducible(W, geo):
@@ -472,7 +473,8 @@ def online_banks(banks, plan):
         if geo.exact_square_step and W.size(-2) == W.size(-1):
             squares.append(i)
         elif geo.constrained and geo.kernel_name is not None and not geo.has_boundary:
-            key = (W.shape[1:], geo.kernel_name, state is None, W.dtype, W.device)
+            # by name: a registered subclass shares its parent's kernel but may differ in its norms
+            key = (W.shape[1:], geo.name, state is None, W.dtype, W.device)
             stacks.setdefault(key, []).append(i)
         else:
             solutions[i] = solve_tall(W, G, geo, state, plan)
@@ -510,7 +512,7 @@ def solve_capped(W, G, geo, state, plan, solution, rounds=3):
     if not plan.capturable and not bool(at_cap.any()):
         return solution
     pinned = torch.zeros_like(at_cap)
-    solve = online_full if plan.options.scheme == "online" else admm
+    solve = scheme_solver(plan)
     for _ in range(rounds):
         growing = at_cap & ~pinned & (torch.diagonal(W.mT @ solution.A, dim1=-2, dim2=-1) < 0)
         if not plan.capturable and not bool(growing.any()):

@@ -301,3 +301,22 @@ def test_online_scheme_gives_tangent_unit_directions_and_stays_on_the_manifold(m
             p.grad = torch.randn_like(p)
         opt.step()
         assert max(manifold_violation(p.detach(), manifold) for p in params) <= 1e-5
+
+
+def test_online_banks_stack_only_matrices_of_one_manifold():
+    # a registered subclass shares Stiefel's fused kernel (kernel_name) but has norms of its own: the
+    # online scheme must not solve its bank in Stiefel's batch (Stiefel's d2 = 1 would be used)
+    class DoubledStiefel(geometry("stiefel").__class__):
+        name = "doubled-stiefel-test"
+
+        def squared_norms(self, W):
+            return torch.full(W.shape[:-2] + W.shape[-1:], 4.0, dtype=W.dtype, device=W.device)
+
+    plan = plan_for(SolverOptions(scheme="online", clip="polynomial", capturable=True), "cpu")
+    W1, G1 = random_point((64, 16), "stiefel", seed=21)
+    W2, G2 = random_point((64, 16), "stiefel", seed=22)
+    banks = [(W1[None], G1[None], geometry("stiefel"), None), (2 * W2[None], G2[None], DoubledStiefel(), None)]
+    together = [s.A for s in solve_tall_banks(banks, plan)]
+    alone = [solve_tall_banks([bank], plan)[0].A for bank in banks]
+    for a, b in zip(together, alone):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
