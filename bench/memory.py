@@ -30,15 +30,11 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import train_gpt2  # noqa: E402
-from manifolds import ManifoldMuon  # noqa: E402
-from manifolds.param_groups import assigned_matrices, muon_groups  # noqa: E402
-from manifolds import sharded  # noqa: E402
-from manifolds.sharded import chunk_range, keeps_warm_start, warm_shape  # noqa: E402
+import train_gpt2
+from manifolds import ManifoldMuon
+from manifolds.param_groups import assigned_matrices, muon_groups
+from manifolds import sharded
+from manifolds.sharded import chunk_range, keeps_warm_start, warm_shape
 
 CATEGORIES = ("parameters", "gradients", "adamw", "manifold_muon")
 RANKS = (1, 2, 4, 8)

@@ -1,12 +1,13 @@
-"""GPT-2 BPE through tiktoken, with an offline fallback to a local rank file.
+"""GPT-2 BPE through tiktoken, from the rank file bundled with this repository.
 
 Compute clusters are often offline, and tiktoken downloads the GPT-2 vocabulary on first
-use. The same ranks ship in the `openai-whisper` package (whisper/assets/gpt2.tiktoken);
-we locate that file without importing whisper (its import pulls in numba) and verify it.
+use. So the ranks ship here as data/gpt2.tiktoken (835,554 bytes, sha256 below; the file
+OpenAI distributes with tiktoken and whisper, MIT licence: data/GPT2_BPE_LICENSE) and every
+tool reads them from disk; --bpe-file PATH picks another copy. Token ids are tiktoken's
+"gpt2" encoding's, id for id (tests/test_data.py).
 """
 import base64
 import hashlib
-import importlib.util
 import os
 
 import tiktoken
@@ -16,15 +17,7 @@ from errors import UserError
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
-
-
-def whisper_rank_file():
-    """Path of whisper's bundled gpt2.tiktoken, or None if whisper is not installed."""
-    spec = importlib.util.find_spec("whisper")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "assets", "gpt2.tiktoken")
-    return path if os.path.exists(path) else None
+BUNDLED_RANK_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2.tiktoken")
 
 
 def encoding_from_rank_file(path):
@@ -47,16 +40,7 @@ def encoding_from_rank_file(path):
 
 
 def gpt2_encoding(bpe_file=None):
-    """(encoding, source description). Order: --bpe-file, tiktoken (cache or download), whisper."""
-    if bpe_file:
-        return encoding_from_rank_file(bpe_file), f"rank file {bpe_file}"
-    try:
-        return tiktoken.get_encoding("gpt2"), "tiktoken (cache or download)"
-    except Exception as err:  # offline: requests raises ConnectionError, others vary
-        download_error = err
-    path = whisper_rank_file()
-    if path is None:
-        raise UserError("cannot load the GPT-2 BPE: tiktoken could not download it "
-                        f"({type(download_error).__name__}) and openai-whisper is not installed; "
-                        "pass --bpe-file PATH to a gpt2.tiktoken rank file")
-    return encoding_from_rank_file(path), f"offline rank file {path}"
+    """(encoding, source description): --bpe-file if given, else the bundled rank file (no network)."""
+    path = bpe_file or BUNDLED_RANK_FILE
+    source = f"rank file {path}" if bpe_file else "bundled rank file data/gpt2.tiktoken"
+    return encoding_from_rank_file(path), source

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from data import prepare
-from data.bpe import gpt2_encoding, whisper_rank_file
+from data.bpe import BUNDLED_RANK_FILE, gpt2_encoding
 from data.progress import PROGRESS_FILE
 from data.shards import (EOT_TOKEN, HEADER_BYTES, PartialShard, ShardError, open_tokens, read_header,
                          write_shard)
@@ -109,15 +109,21 @@ def test_validation_split_depends_only_on_seed_and_document_index():
     assert prepare.validation_documents(-5, 10**12, 100, 0.5).any()  # negative seeds, large indices
 
 
-def test_gpt2_encoding_offline():
+def test_gpt2_encoding_offline(monkeypatch):
+    def no_download(name):
+        raise AssertionError("gpt2_encoding asked tiktoken for a download")
+    monkeypatch.setattr("tiktoken.get_encoding", no_download)
     encoding, source = gpt2_encoding()
+    assert "bundled" in source
+    # GPT-2's ids (tiktoken's "gpt2" encoding): a merge, a leading space, digits, the special token
     assert encoding.encode("Hello world") == [15496, 995]
+    assert encoding.encode(" the 2024") == [262, 48609]
     assert encoding.eot_token == EOT_TOKEN
-    assert source
+    assert encoding.n_vocab == 50257
 
 
 def test_bpe_rank_file_is_verified(tmp_path):
-    bundled = whisper_rank_file()
+    bundled = BUNDLED_RANK_FILE
     encoding, source = gpt2_encoding(bundled)
     assert encoding.encode("Hello world") == [15496, 995] and bundled in source
     damaged = tmp_path / "gpt2.tiktoken"

@@ -171,4 +171,4 @@ def add_checkpoint_flags(parser, device=True):
         parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                             help="auto = cuda when available, else cpu (the model runs in float32)")
     parser.add_argument("--bpe-file", metavar="PATH", default=None,
-                        help="a local gpt2.tiktoken rank file (default: tiktoken's, else openai-whisper's copy)")
+                        help="a gpt2.tiktoken rank file (default: the bundled data/gpt2.tiktoken)")
