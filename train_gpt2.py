@@ -39,6 +39,7 @@ from kernels.logit_max import causal_logit_max
 from training.checkpoints import (check_resumable, checkpoint_path, checkpoint_payload, find_resume_checkpoint,
                                   load_muon_state, restore, restore_run, run_payload, save_atomic, save_checkpoint)
 from training.auto_assign import AutoAssign
+from training.user_manifolds import import_manifold_modules, saved_manifold_modules
 from training.fsdp import check_fsdp_flags, gathered_matrix_stats, shard_model, whole
 from training.sharded_checkpoints import find_sharded_resume, load_sharded, save_sharded, sharded_checkpoint_path
 from training.diagnostics import AttentionProbe, matrix_stats
@@ -104,7 +105,11 @@ def add_run_flags(a):
                         "hetero-inv, hetero-qk, all-oblique), `auto` (see --auto-*), or key=manifold[,...] with keys "
                         "attn, mlp, attn.qkv, attn.proj, mlp.fc, mlp.proj and the QKV row blocks attn.q, "
                         "attn.k, attn.v, attn.qk (naming one splits the fused QKV into three matrices), and "
-                        "manifolds stiefel, dgram, oblique, dgram-cap, none")
+                        "manifolds stiefel, dgram, oblique, dgram-cap, none (and those of --manifold-module)")
+    a.add_argument("--manifold-module", action="append", default=[], metavar="MODULE_OR_FILE",
+                   help="import a Python module (dotted name) or file that registers manifolds of your own "
+                        "(manifolds.register_manifold) before --assign is read, in every process; repeatable. "
+                        "Kept in config.json: --resume imports them again without the flag")
     a.add_argument("--data-dir", default="data/openwebtext",
                    help="folder with *train*.bin and *val*.bin token shards (data/prepare.py writes them)")
     a.add_argument("--out-dir", default="runs/default",
@@ -331,6 +336,8 @@ def validate_args(args, world_size=None):
                             "(auto is on only on GPUs)")
     args.grad_accum = grad_accum_steps(args, world_size or int(os.environ.get("WORLD_SIZE", "1")))
     check_fsdp_flags(args, world_size or int(os.environ.get("WORLD_SIZE", "1")))
+    # a resumed run's modules first (its config.json), then the flag's: before any manifold name is read
+    args.manifold_module = import_manifold_modules(saved_manifold_modules(args) + list(args.manifold_module))
     if args.assign.strip() == "auto":
         if args.auto_base.strip() == "auto":
             raise UserError("--auto-base must be a preset or key=manifold spec, not auto")
