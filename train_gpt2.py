@@ -102,10 +102,10 @@ def build_parser():
 def add_run_flags(a):
     a.add_argument("--assign", default="hetero",
                    help="manifold per module: a preset (unconstrained, all-stiefel, all-dgram, hetero, "
-                        "hetero-inv, hetero-qk, all-oblique), `auto` (see --auto-*), or key=manifold[,...] with keys "
+                        "hetero-inv, hetero-qk, all-oblique, hetero-hyperball, all-hyperball), `auto` (see --auto-*), or key=manifold[,...] with keys "
                         "attn, mlp, attn.qkv, attn.proj, mlp.fc, mlp.proj and the QKV row blocks attn.q, "
                         "attn.k, attn.v, attn.qk (naming one splits the fused QKV into three matrices), and "
-                        "manifolds stiefel, dgram, oblique, dgram-cap, none (and those of --manifold-module)")
+                        "manifolds stiefel, dgram, oblique, dgram-cap, hyperball, none (and those of --manifold-module)")
     a.add_argument("--manifold-module", action="append", default=[], metavar="MODULE_OR_FILE",
                    help="import a Python module (dotted name) or file that registers manifolds of your own "
                         "(manifolds.register_manifold) before --assign is read, in every process; repeatable. "

@@ -28,6 +28,8 @@ PRESETS = {
     "hetero-inv": "attn=dgram,mlp=stiefel",
     "hetero-qk": "attn.qk=stiefel,attn.v=dgram,attn.proj=dgram,mlp=dgram",
     "all-oblique": "attn=oblique,mlp=oblique",
+    "hetero-hyperball": "attn=stiefel,mlp=hyperball",
+    "all-hyperball": "attn=hyperball,mlp=hyperball",
 }
 
 

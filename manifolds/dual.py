@@ -239,7 +239,8 @@ class FullProblem:
 
 def online_iterations(problem, G, correction, plan):
     """(B, correction, residual, iterations) of dual descent on ||G + 2 W Lambda||_*, one step
-    per training step from the previous step's multiplier (ONLINE_COLD steps from a cold start).
+    per training step from the previous step's multiplier (ONLINE_COLD steps from a cold start;
+    a manifold may ask for more, geo.online_steps).
 
     With Lambda = Lambda0 + C (Lambda0 the Euclidean projection's multiplier, C the correction
     kept across steps, q x q), each step is
@@ -253,19 +254,33 @@ def online_iterations(problem, G, correction, plan):
     The answer is Proj_T(A) = A - W M: tangent exactly, with ||.||_op about 1 (finalize_banks
     bounds it). Lambda changes slowly from step to step, so a step from the last one tracks the
     optimum at the cost of one matrix sign: ADMM spends two per iteration and 3 iterations.
+
+    A manifold whose multiplier is one number per matrix (geo.secant_dual: the Hyperball's)
+    takes every step after the first inside one call as a secant step, the Barzilai-Borwein
+    length <dC, dM> / <dM, dM> (for a scalar C exactly the secant on M(C) = 0), kept within
+    [0.1, 10] times the rms step: the rms step alone converges slowly where small singular values
+    make the true Newton step shorter (tests/test_hyperball.py).
     """
-    W = problem.W
+    W, geo = problem.W, problem.geo
     q = W.size(-1)
     M0 = problem.multiplier(G)  # Proj_T(G) = G - W M0
     warm = correction is not None
     C = correction if warm else torch.zeros(W.shape[:-2] + (q, q), dtype=W.dtype, device=W.device)
-    steps = 1 if warm else ONLINE_COLD
+    steps = geo.online_steps if warm else max(ONLINE_COLD, geo.online_steps)
+    previous = None
     for k in range(steps):
         X = problem.times_W(2.0 * C - M0, G, 1.0)  # Proj_T(G) + 2 W C in one product
         A = polar(X, plan)
         M = problem.multiplier(A)
         rms = (X.square().sum(dim=(-2, -1)) / q).sqrt()[..., None, None]
-        C = C - (0.5 * plan.options.dual_step) * rms * M
+        step = (0.5 * plan.options.dual_step) * rms
+        if geo.secant_dual and previous is not None:
+            dC, dM = C - previous[0], M - previous[1]
+            secant = (dC * dM).sum(dim=(-2, -1), keepdim=True) / dM.square().sum(dim=(-2, -1), keepdim=True).clamp_min(
+                torch.finfo(W.dtype).tiny)
+            step = torch.where(secant > 0, torch.minimum(torch.maximum(secant, 0.1 * step), 10 * step), step)
+        previous = (C, M)
+        C = C - step * M
     H = M * pair_scale(problem.d2)  # P(W^T A + A^T W) of the last sign
     return problem.times_W(M, A, -1.0), C, relative_residual(W, H.square().sum(dim=(-2, -1))), steps
 

@@ -9,14 +9,20 @@ tangent geometry:
     DGram      P = Off (ones off the diag) {W : Off(W^T W) = 0} = {Q D}       d = column norms of W
     Oblique    P = Diag (the identity)     {W : diag(W^T W) = 1}              d = column norms of W
     DGram-cap  DGram with column norms d_i <= C (a manifold with boundary; see DGramCap)
+    Hyperball  P(S) = (tr S / q) I           {W : ||W||_F = r}                  d^2 = ||W||_F^2 / q
     none       P = 0: no constraint (plain Muon)
+
+P need not be a mask: any linear projector on symmetric q x q matrices works (the Hyperball's
+keeps only the trace) provided d^2 makes the identity below hold; masks are what the fused
+kernels serve, any other P runs through torch after Stiefel's kernel (gram_projector).
 
 The tangent space at W is {A : P(W^T A + A^T W) = 0}. For symmetric M in range(P) the identity
 
     P(W^T (W M) + (W M)^T W)_ij = (d_i^2 + d_j^2) M_ij
 
 holds whenever the Gram entries it reads are diagonal: on Stiefel and DGram (W^T W = D^2), and
-on Oblique for any W (M is diagonal, and only (W^T W)_ii = d_i^2 enters). That one identity gives
+on Oblique for any W (M is diagonal, and only (W^T W)_ii = d_i^2 enters); on the Hyperball M = m I
+and P(2 m W^T W) = 2 m (||W||_F^2 / q) I, so d_i^2 = ||W||_F^2 / q for every i. That one identity gives
 the exact tangent projection A - W M with M = P(W^T A + A^T W) / (d_i^2 + d_j^2), and the exact
 multiplier Lambda0 = -P(W^T G + G^T W) / (2 (d_i^2 + d_j^2)) of the Euclidean projection of G.
 
@@ -89,6 +95,11 @@ class Manifold:
     # "rows" (any: per-head rows), "matrix" (only c W, one factor for the whole matrix) or None
     qk_clip_scaling = None
     column_norm_diagnostics = False  # the trainer's diagnostics report its column norms (they move)
+    # the online scheme (dual.online_iterations): dual steps per training step, and whether its
+    # multiplier is one number per matrix (then the steps after the first are secant steps)
+    online_steps = 1
+    secant_dual = False
+    polar_retraction = True  # its retraction takes a polar factor (rank balancing prices it: manifolds/work.py)
     options = ()           # the group options it reads (`configured`), which its groups carry
 
     def configured(self, dgram_cap=1.0):
@@ -138,6 +149,12 @@ class Manifold:
         """Map X back onto the manifold; near=True assumes X is already close to it
         (tf32_correction: the Newton-Schulz corrections at TF32, kernels.orthonormalize_near)."""
         raise NotImplementedError
+
+    def retract_from(self, W, X, near=True, backend="auto", tf32_correction=False):
+        """R(X) for X = W - eta A, a step from the point W: the optimizer's retraction. Most
+        manifolds read only X (the default); one whose set depends on W's own scale (the
+        Hyperball's radius) reads W too."""
+        return self.retract(X, near, backend, tf32_correction)
 
     def violation(self, W):
         """Per-matrix distance from the manifold (a tensor of W's leading shape)."""
@@ -205,6 +222,7 @@ class Oblique(Manifold):
     """
     name = "oblique"
     column_norm_diagnostics = True
+    polar_retraction = False  # X N^-1
 
     def gram_mask(self, q, device):
         return torch.eye(q, dtype=torch.bool, device=device)
@@ -215,6 +233,59 @@ class Oblique(Manifold):
     def violation(self, W):
         # max |diag(W^T W) - 1|
         return (W.square().sum(dim=-2) - 1).abs().amax(dim=-1)
+
+
+class Hyperball(Manifold):
+    """Fixed Frobenius norm: {W : ||W||_F = r}, r per matrix (Wen et al. 2025, MuonH).
+
+    The tangent condition tr(W^T A) = 0 is P(W^T A + A^T W) = 0 for the projector
+    P(S) = (tr S / q) I, which is not a mask: gram_projector says it, and d_i^2 = ||W||_F^2 / q
+    (every i) makes the tangent projection A - (tr(W^T A) / ||W||_F^2) W exact. The steepest
+    direction solves the one-dimensional dual min_lambda ||G - lambda W||_* (A* = msign(G -
+    lambda* W)): no closed form, the solver's scheme runs it on the full matrices.
+
+    r is the norm the matrix has when it is put on the manifold: the projection at the start is
+    the identity (the sphere through the initialiser's W keeps its scale), and every step keeps
+    it, R(W - eta A) = (W - eta A) ||W||_F / ||W - eta A||_F with both norms in float64, so the
+    norm's rounding per step is an fp32 rounding of each entry (~1e-10 relative, measured in
+    tests/test_hyperball.py), not a drift. A radius of one's own (r = c sqrt(fan_out / fan_in),
+    say) is a subclass whose `retract` scales to it, registered under another name
+    (docs/api.md). So every W lies on its own sphere: `violation` cannot see a radius it does
+    not store and is 0; the tests compare ||W_t||_F with ||W_0||_F instead.
+    """
+    name = "hyperball"
+    # one multiplier per matrix: 3 secant steps per training step reach 0.9999 of the certified
+    # optimum on the tests' shapes where one rms step stays at 0.984 (tests/test_hyperball.py)
+    online_steps = 3
+    secant_dual = True
+    polar_retraction = False
+
+    def gram_mask(self, q, device):
+        raise TypeError("the Hyperball's Gram projector keeps the trace: it is not a mask (use gram_projector)")
+
+    def gram_projector(self, S):
+        q = S.size(-1)
+        trace = torch.diagonal(S, dim1=-2, dim2=-1).sum(dim=-1)
+        return torch.diag_embed((trace / q)[..., None].expand(S.shape[:-1]))
+
+    def squared_norms(self, W):
+        return (W.square().sum(dim=(-2, -1)) / W.size(-1))[..., None].expand(W.shape[:-2] + W.shape[-1:])
+
+    def retract(self, X, near=True, backend="auto", tf32_correction=False):
+        return X  # the sphere through X: a start keeps its norm
+
+    def retract_from(self, W, X, near=True, backend="auto", tf32_correction=False):
+        # X ||W|| / ||X||: the scale in float64, so the radius carries no per-step norm error
+        scale = frobenius64(W) / frobenius64(X).clamp_min(1e-300)
+        return (X.double() * scale[..., None, None]).to(X.dtype)
+
+    def violation(self, W):
+        return torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device)
+
+
+def frobenius64(X):
+    """||X||_F per matrix (..., m, n) -> (...), summed in float64."""
+    return X.double().square().sum(dim=(-2, -1)).sqrt()
 
 
 class Unconstrained(Manifold):
@@ -314,7 +385,7 @@ def register_manifold(manifold, replace=False):
     return manifold
 
 
-for _manifold in (Stiefel(), DGram(), Oblique(), DGramCap(), Unconstrained()):
+for _manifold in (Stiefel(), DGram(), Oblique(), DGramCap(), Hyperball(), Unconstrained()):
     register_manifold(_manifold)
 
 

@@ -527,8 +527,8 @@ class ManifoldMuon(torch.optim.Optimizer):
             new_W = W * (1 - eta * decay) - eta * solution.A
         else:
             # the retraction's Gram stays fp32; where the iterations run at TF32 so do its small corrections
-            new_W = self._geometry(pieces).retract(W - eta * solution.A, near=True, backend=self.plan.backend,
-                                                   tf32_correction=self.plan.tf32)
+            new_W = self._geometry(pieces).retract_from(W, W - eta * solution.A, near=True,
+                                                        backend=self.plan.backend, tf32_correction=self.plan.tf32)
             keep(pieces, solution.state)
         # tensors, not floats: reading them would sync the device every bank
         self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max(),

@@ -8,15 +8,16 @@ the same momentum, Nesterov, lr, weight decay and retraction as the fast path
 optimum (manifolds/optimum.py), in tests/test_reference.py.
 
 A manifold is any registered one (manifolds.geometry.MANIFOLDS, or a Manifold object): what is
-read from it is its Gram projector P (a symmetric 0/1 mask on the q x q Gram matrix), its squared
-column norms d_i^2 and its retraction R (exact, by SVD). On the manifold W^T W = D^2 on the
-entries P keeps, so the tangent space {A : P(W^T A + A^T W) = 0} and its projection need only the
-d_i^2. The built-in ones:
+read from it is its Gram projector P (a linear projector on symmetric q x q matrices: a 0/1 mask,
+or the Hyperball's trace), its squared column norms d_i^2 and its retraction R (exact, by SVD).
+On the manifold P(W^T W M + M W^T W) = (d_i^2 + d_j^2) M for M in range(P), so the tangent space
+{A : P(W^T A + A^T W) = 0} and its projection need only the d_i^2. The built-in ones:
 
     stiefel    P = all ones      W^T W = I           R(X) = msign(X)
     dgram      P = Off           Off(W^T W) = 0      R(X) = msign(X N^-1) N,  N = diag(column norms of X)
     oblique    P = Diag          diag(W^T W) = 1     R(X) = X N^-1
     dgram-cap  dgram, column norms <= C: a set with a boundary, its tangent a cone (active set below)
+    hyperball  P = (tr . / q) I  ||W||_F = r          R(W - eta A) = (W - eta A) ||W||_F / ||W - eta A||_F
     none       P = 0             no constraint       A* = msign(G), W <- (1 - lr wd) W - lr A*
 """
 import torch
@@ -45,9 +46,9 @@ def spectral_clip(X):
     return U @ torch.diag_embed(S.clamp(max=1)) @ Vh
 
 
-def gram_projector(W, manifold):
-    """P as a 0/1 matrix in W's dtype (q x q, W tall)."""
-    return as_manifold(manifold).gram_mask(W.size(-1), W.device).to(W.dtype)
+def gram_projector(manifold):
+    """P as a function on symmetric q x q matrices (a mask's: its entries kept)."""
+    return as_manifold(manifold).gram_projector
 
 
 def tangent_projection(W, A, manifold):
@@ -57,16 +58,16 @@ def tangent_projection(W, A, manifold):
     W^T W = D^2; oblique: P and M are diagonal, only (W^T W)_ii = d_i^2 enters), so this M
     removes the residual exactly; W M is normal, so this is the Euclidean projection."""
     geo = as_manifold(manifold)
-    P = gram_projector(W, geo)
-    d2 = geo.squared_norms(W)                           # d_i^2 = (W^T W)_ii
-    H = P * (W.mT @ A + A.mT @ W)                       # tangent residual P(W^T A + A^T W)
+    P = gram_projector(geo)
+    d2 = geo.squared_norms(W)                           # d_i^2 = (W^T W)_ii (Hyperball: ||W||_F^2 / q)
+    H = P(W.mT @ A + A.mT @ W)                          # tangent residual P(W^T A + A^T W)
     return A - W @ (H / (d2[..., :, None] + d2[..., None, :]))   # A - W M
 
 
 def tangent_residual(W, A, manifold):
     """||P(W^T A + A^T W)||_F / ||W||_F^2 (W tall): zero when A is tangent at W."""
-    P = gram_projector(W, manifold)
-    return float((P * (W.mT @ A + A.mT @ W)).norm() / W.square().sum())
+    P = gram_projector(manifold)
+    return float(P(W.mT @ A + A.mT @ W).norm() / W.square().sum())
 
 
 def admm(W, G, manifold, iterations=ITERATIONS, tol=None):
@@ -145,7 +146,7 @@ def step_tall(W, G, manifold, lr, weight_decay=0.0, iterations=ITERATIONS, tol=N
     A, run = direction(W, G, geo, iterations, tol)
     if not geo.constrained:
         return W * (1 - lr * weight_decay) - lr * A, run, 0.0
-    return retract(W - lr * A, geo), run, tangent_residual(W, A, geo)
+    return geo.retract_from(W, W - lr * A, near=False), run, tangent_residual(W, A, geo)
 
 
 def manifold_muon_step_reference(W, G, manifold, lr, weight_decay=0.0, iterations=ITERATIONS, tol=None):

@@ -9,7 +9,7 @@ a step, which is what a GPU estimate uses.
 Terms follow manifolds/dual.py on the tall orientation p x q (p >= q); one polynomial matrix-sign
 step on the q x p orientation is S = X X^T, S^2, B X: 2 p q^2 + q^3. Early exits on convergence
 are ignored (a warm step of the sync-free mode runs its whole budget); the online scheme's warm
-step is one dual step (dual.online_iterations). dgram-cap is costed as
+step is one dual step (dual.online_iterations; geo.online_steps of them). dgram-cap is costed as
 dgram: its active-set rounds run only with columns at the cap; Oblique runs ADMM on the full
 matrices (its Gram is not diagonal). Integers, so that ties in the
 balancing are exact on every rank.
@@ -29,14 +29,16 @@ def matrix_work(manifold, p, q, plan):
     geo = geometry(manifold)
     if not geo.constrained:
         return {"msign": sign_work(p, q, muon_steps)}
-    retraction = sign_work(p, q, 3)  # three Newton-Schulz steps
+    # three Newton-Schulz steps, or a scaling (Oblique's columns, the Hyperball's norm)
+    retraction = sign_work(p, q, 3) if geo.polar_retraction else p * q
     if geo.exact_square_step and p == q:
         return {"multiplier": 3 * p * q * q + q ** 3, "msign": sign_work(p, q, sum(EXACT_PE_STEPS)),
                 "polish": 2 * p * q * q + sign_work(p, q, 2), "projection and norm": 3 * p * q * q + 5 * q ** 3,
                 "retraction": retraction}
     if plan.options.scheme == "online":
         # Proj_T(G) + 2 W C (W^T G, one product with W), one polar factor, M (W^T A), A - W M
-        return {"dual step": 4 * p * q * q, "msign": sign_work(p, q, plan.polar_steps),
+        return {"dual step": 4 * p * q * q * geo.online_steps,
+                "msign": sign_work(p, q, plan.polar_steps) * geo.online_steps,
                 "norm": p * q * q + NORM_SQUARINGS * q ** 3, "retraction": retraction}
     iterations = plan.options.iterations * (2 if p < 2 * q else 1)
     reduced = geo.orthogonal_columns and p >= 2 * q  # ADMM in span[W, G]: on 2q x q problems

@@ -15,8 +15,11 @@ def test_presets_match_the_paper_table():
     assert set(parse_assignment("all-stiefel").values()) == {"stiefel"}
     assert set(parse_assignment("all-dgram").values()) == {"dgram"}
     assert set(parse_assignment("all-oblique").values()) == {"oblique"}
+    assert parse_assignment("hetero-hyperball") == {"attn.qkv": "stiefel", "attn.proj": "stiefel",
+                                                    "mlp.fc": "hyperball", "mlp.proj": "hyperball"}
+    assert set(parse_assignment("all-hyperball").values()) == {"hyperball"}
     assert set(PRESETS) == {"unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv", "hetero-qk",
-                            "all-oblique"}
+                            "all-oblique", "hetero-hyperball", "all-hyperball"}
 
 
 def test_custom_spec_later_entries_override_and_unnamed_stay_none():
