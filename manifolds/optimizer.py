@@ -54,7 +54,8 @@ from torch.optim.adamw import adamw
 from manifolds import reference, sharded
 from manifolds.dual import solve_tall_banks
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
-from manifolds.sharded import is_sharded, local, shard_layout, step_shard_group
+from manifolds import plan_check
+from manifolds.sharded import is_sharded, local, shard_layout, shard_plan, step_shard_group
 from manifolds.plan import SolverOptions, plan_for
 from manifolds.work import piece_cost
 
@@ -159,6 +160,7 @@ class ManifoldMuon(torch.optim.Optimizer):
                  manifold="none", dgram_cap=1.0, shard=True, **solver_opts):
         self.options = SolverOptions.from_kwargs(**solver_opts)
         self._unprojected = []  # frozen matrices not yet checked against their manifold (add_param_group)
+        self._plan_checked = False  # plan_check at the next step (also after a load or new groups)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         manifold=manifold, blocks=None, dgram_cap=dgram_cap, algorithm="muon")
         super().__init__(params, defaults)
@@ -173,7 +175,7 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     # what torch.optim.Optimizer pickles (defaults, state, param_groups), and the rest of ours, so
     # that copy.deepcopy and pickle give a working optimizer
-    OWN_ATTRIBUTES = ("options", "plan", "world_size", "rank", "last_stats", "_unprojected")
+    OWN_ATTRIBUTES = ("options", "plan", "world_size", "rank", "last_stats", "_unprojected", "_plan_checked")
 
     def __getstate__(self):
         return {**super().__getstate__(), **{k: self.__dict__[k] for k in self.OWN_ATTRIBUTES}}
@@ -187,6 +189,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         if algorithm == "adamw":  # AdamW's own defaults, not the Muon groups' lr and weight decay
             param_group = {**ADAMW_DEFAULTS, **param_group}
         super().add_param_group(param_group)
+        self._plan_checked = False
         group = self.param_groups[-1]
         if algorithm == "adamw":
             if hasattr(self, "plan"):  # at construction: once the plan is known (__init__)
@@ -371,11 +374,14 @@ class ManifoldMuon(torch.optim.Optimizer):
             mine = pieces if self.world_size == 1 else [piece for piece in pieces if owners[piece.key] == self.rank]
             if mine:
                 work.append((name, mine))
+        # the same groups in the same order on every rank: (layout, banks, owners, buckets)
+        shard_plans = [(layout, banks, *shard_plan(self, layout, banks)) for layout, banks in shard_groups.items()]
+        if not self._plan_checked:  # before any exchange whose sizes the plan sets
+            self._check_plan(owners, shard_plans)
         momenta = self._momenta([piece for _, pieces in work for piece in pieces] +
                                 [piece for banks in shard_groups.values() for _, pieces in banks for piece in pieces])
-        for layout, banks in shard_groups.items():  # the same groups in the same order on every rank
-            every = [piece for piece in self.pieces() if is_sharded(piece.param) and shard_layout(piece.param) == layout]
-            step_shard_group(self, layout, banks, every, momenta)
+        for layout, banks, shard_owners, bucketed in shard_plans:
+            step_shard_group(self, layout, banks, shard_owners, bucketed, momenta)
         computed = self._step_banks(work, self._replicated_inputs(momenta)) if work else []
         if self.world_size == 1:
             for pieces, new_W in computed:
@@ -383,6 +389,17 @@ class ManifoldMuon(torch.optim.Optimizer):
         elif active:
             self._exchange(active, computed, owners)
         return loss
+
+    def _check_plan(self, owners, shard_plans):
+        """plan_check: every rank compares its step's plan with the others' (one small all-gather)
+        at the first step and after a load or a change of groups; a disagreement is a PlanMismatch
+        on every rank, before any exchange."""
+        if (self.world_size > 1 or shard_plans) and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() > 1:
+            first = next(iter(self.pieces()), None)
+            device = local(first.param).device if first is not None else torch.device("cpu")
+            plan_check.check(plan_check.describe(self, owners, shard_plans), device)
+        self._plan_checked = True
 
     def _step_adamw_groups(self):
         """The "adamw" groups' step: torch's AdamW (functional form, its default implementation
@@ -605,6 +622,7 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
+        self._plan_checked = False  # a resume: the warm-start flags come from the loaded state
         self._drop_unowned()
 
     def _drop_unowned(self):

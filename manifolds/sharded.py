@@ -372,12 +372,19 @@ def buckets(banks, ranks):
     return out
 
 
-def step_shard_group(optimizer, layout, banks, every, momenta):
+def shard_plan(optimizer, layout, banks):
+    """(owners {piece.key: rank}, buckets) of one shard group's step: owners balanced over all of
+    the group's pieces (stable over steps), the banks with gradients cut into buckets. Every rank
+    must derive the same (plan_check compares them)."""
+    every = [piece for piece in optimizer.pieces() if is_sharded(piece.param) and shard_layout(piece.param) == layout]
+    return balanced(every, optimizer.plan, layout.size), buckets(banks, layout.size)
+
+
+def step_shard_group(optimizer, layout, banks, owners, bucketed, momenta):
     """The step of one shard group's pieces with gradients (banks [(name, pieces)], the same on
-    every rank); every: all the group's pieces, for the owners (stable over steps)."""
-    owners = balanced(every, optimizer.plan, layout.size)
+    every rank) under its plan (shard_plan: owners, bucketed = the banks cut into buckets)."""
     stats = {}
-    for bucket in buckets(banks, layout.size):
+    for bucket in bucketed:
         ShardedStep(optimizer, layout, bucket, owners).run(momenta)
         for name, _ in bucket:  # a bank cut by buckets: the largest iterations and residual, all fallbacks
             new = optimizer.last_stats.pop(name, None)

@@ -1,0 +1,79 @@
+"""Every rank must build the same step: the same pieces in the same banks, the same owners, the
+same exchange buckets, the same shard splits and the same warm-start flags. Each rank derives
+them from its own parameters and state, and the collectives' sizes come from them: under NCCL
+ranks that disagree hang or exchange garbage (gloo raises, late and unclearly).
+
+So at the first step, after a state_dict is loaded (a resume) and after the groups change,
+ManifoldMuon compares a digest of each of these five components over all ranks: one all-gather
+of 5 integers, whose size does not depend on the plan, so a disagreement cannot hang it. Every
+rank then raises the same PlanMismatch naming the components that differ and the ranks that
+differ from rank 0.
+"""
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from manifolds.sharded import chunk_range, is_sharded, keeps_warm_start, shard_layout
+
+COMPONENTS = ("pieces", "owners", "buckets", "splits", "warm starts")
+
+
+class PlanMismatch(RuntimeError):
+    """The ranks built different optimizer steps (plan_check's module docstring)."""
+
+
+def piece_ids(optimizer):
+    """{piece.key: a name every rank gives the same piece}: (parameter index in group order, rows)."""
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    return {piece.key: (index[id(piece.param)], piece.lo, piece.hi) for piece in optimizer.pieces()}
+
+
+def describe(optimizer, replicated_owners, shard_plans):
+    """{component: text} of this rank's plan. replicated_owners: {piece.key: rank} (None in one
+    process); shard_plans: [(layout, banks, owners, buckets)] of the shard groups stepped."""
+    ids = piece_ids(optimizer)
+    pieces, splits, warm = [], [], []
+    for piece in optimizer.pieces():
+        layout = shard_layout(piece.param) if is_sharded(piece.param) else None
+        shape = tuple(piece.param.shape)
+        pieces.append((ids[piece.key], piece.manifold, shape, piece.param.grad is not None,
+                       None if layout is None else (tuple(layout.mesh.shape), layout.mesh_dim, layout.dim)))
+        if layout is not None:
+            splits.append((ids[piece.key], [chunk_range(shape[layout.dim], layout.size, r) for r in range(layout.size)]))
+        state = optimizer.state.get(piece.param, {})
+        started = "step" in state and bool(state["step"] > 0)
+        warm.append((ids[piece.key], keeps_warm_start(piece, optimizer.options), started))
+    owners = sorted((ids[key], rank) for key, rank in (replicated_owners or {}).items())
+    buckets = []
+    for layout, banks, shard_owners, shard_buckets in shard_plans:
+        owners += [("shard", ids[key], rank) for key, rank in sorted(shard_owners.items(), key=lambda kv: ids[kv[0]])]
+        buckets.append([[(name, [ids[piece.key] for piece in bank]) for name, bank in bucket]
+                        for bucket in shard_buckets])
+    return {"pieces": repr(pieces), "owners": repr(owners), "buckets": repr(buckets), "splits": repr(splits),
+            "warm starts": repr(warm)}
+
+
+def digest(text):
+    """A signed 64-bit integer of a text (the first 8 bytes of its sha256)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def check(components, device, group=None):
+    """All-gather this rank's digests; PlanMismatch on every rank if any component differs."""
+    mine = torch.tensor([digest(components[name]) for name in COMPONENTS], dtype=torch.int64, device=device)
+    world = dist.get_world_size(group)
+    every = torch.empty(world * len(COMPONENTS), dtype=torch.int64, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(every, mine, group=group)
+    every = every.view(world, len(COMPONENTS)).cpu()
+    differ = []
+    for j, name in enumerate(COMPONENTS):
+        ranks = [r for r in range(world) if every[r, j] != every[0, j]]
+        if ranks:
+            differ.append(f"{name} (ranks {', '.join(map(str, ranks))} differ from rank 0)")
+    if differ:
+        raise PlanMismatch("ManifoldMuon: the ranks built different optimizer steps: " + "; ".join(differ)
+                           + ". Every rank must construct the optimizer with the same parameters, groups and "
+                           "options in the same order (and load the same state); the step stopped before "
+                           "any exchange.")

@@ -1,0 +1,94 @@
+"""plan_check: ranks that build different optimizer steps stop, every one of them, with one error
+naming what differs, before any exchange (under NCCL such a step hangs). Two gloo ranks started as
+fresh interpreters (not forked from pytest's threads), rank 1 altered on purpose: its owners
+(replicated and FSDP2-sharded parameters) or, after a resume, its warm-start flags."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from manifolds import plan_check
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+WORKER = textwrap.dedent('''
+    import sys, torch, torch.distributed as dist
+    rank, world, store, mode, out = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    if mode != "replicated":
+        from torch.distributed import fsdp as _fsdp, tensor as _tensor  # noqa: F401 (before the group)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+    import train_gpt2
+    import manifolds.optimizer as optimizer_module
+    from manifolds import ManifoldMuon, manifold_param_groups
+    from manifolds.plan_check import PlanMismatch
+    torch.manual_seed(0)
+    model = train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=2, n_head=2, n_embd=16, seq_len=8, vocab_size=32))
+    if mode != "replicated":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if rank == 1 and mode in ("replicated", "sharded"):  # a rank whose owners differ
+        balanced = optimizer_module.balanced_owners
+        optimizer_module.balanced_owners = lambda costs, n: [n - 1 - r for r in balanced(costs, n)]
+    groups, _ = manifold_param_groups(model, "hetero", adamw={"lr": 1e-3})
+    opt = ManifoldMuon(groups, lr=0.05)
+
+    def step():
+        x = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(rank))
+        model(x[:, :-1], x[:, 1:]).backward()
+        if mode == "replicated":  # DDP's gradient average, by hand
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        step()
+        if mode == "resume":  # a resume in which rank 1's state says one matrix never stepped
+            state = opt.state_dict()
+            if rank == 1:
+                first = next(i for i, s in state["state"].items() if "dual" in s)
+                state["state"][first]["step"] = torch.tensor(0.0)
+            opt.load_state_dict(state)
+            step()
+    except PlanMismatch as error:
+        open(out, "w").write(str(error))
+        sys.exit(3)
+    sys.exit(0)
+''')
+
+
+@pytest.mark.parametrize("mode,component", [("replicated", "owners"), ("sharded", "owners"),
+                                            ("resume", "warm starts")])
+def test_a_rank_with_another_plan_stops_every_rank_with_the_digest_error(tmp_path, mode, component):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    start = time.time()
+    ranks = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(tmp_path / "store"), mode,
+                               str(tmp_path / f"error{rank}")], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    try:
+        codes = [process.wait(timeout=120) for process in ranks]
+    finally:
+        for process in ranks:
+            process.kill()
+    errors = [process.stderr.read()[-3000:] for process in ranks]
+    assert codes == [3, 3], errors  # both ranks stopped on the mismatch, neither hung nor crashed
+    assert time.time() - start < 90  # seconds after the start (mostly imports), not a collective's timeout
+    messages = [open(tmp_path / f"error{rank}").read() for rank in range(2)]
+    assert messages[0] == messages[1]
+    assert f"{component} (ranks 1 differ from rank 0)" in messages[0]
+    others = [name for name in plan_check.COMPONENTS if name != component]
+    assert not any(f"{name} (ranks" in messages[0] for name in others), messages[0]
+
+
+def test_digests_name_each_component():
+    same = {name: "x" for name in plan_check.COMPONENTS}
+    assert len({plan_check.digest(text) for text in ("a", "b", "a ")}) == 3
+    assert all(plan_check.digest(text) == plan_check.digest(text) for text in same.values())
