@@ -80,10 +80,10 @@ def in_flight(model, muon, world, fsdp):
     if not fsdp:  # the all-gather of the new weights: every rank's padded share, fp32
         return muon.all_gather_elements() * FP32 if world > 1 else 0
     block = sum(p.numel() for p in model.blocks[0].parameters())
-    every = list(muon.pieces())
-    owners = sharded.balanced(every, muon.plan, world)
+    bucketed = sharded.buckets([(name, pieces) for name, pieces in muon.banks()], world)
+    owners = sharded.bucket_owners(bucketed, muon.plan, world)
     exchange = 0
-    for bucket in sharded.buckets([(name, pieces) for name, pieces in muon.banks()], world):
+    for bucket in bucketed:
         for rank in range(world):
             whole = sum(2 * (piece.hi - piece.lo) * piece.param.size(1)
                         + (warm_shape(piece)[0] ** 2 if keeps_warm_start(piece, muon.options) else 0)

@@ -352,6 +352,8 @@ class ManifoldMuon(torch.optim.Optimizer):
         self._project_unfrozen()
         self._step_adamw_groups()
         self.last_stats = {}
+        # the sharded exchange's fp32 elements this step (sharded.count_exchange)
+        self.exchange_counts = {"sent": 0, "received": 0, "collectives": 0, "solved": 0}
         owners = self.owners() if self.world_size > 1 else None
         active = []  # (name, pieces) of the banks of replicated parameters stepped
         work = []  # (name, this rank's pieces of the bank), in bank order: the order the exchange packs

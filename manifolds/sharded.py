@@ -18,11 +18,14 @@ work.piece_cost, as under DDP), and one step is
 
 No rank gathers every matrix. Steps 2-4 run per bucket of pieces (`buckets`, EXCHANGE_BUCKET
 elements of W per rank), so that an owner holds one bucket's matrices whole at a time, not all of
-its own: two collectives per bucket (GPT-2 small on 8 ranks: one bucket; XL: 9), their number
-and sizes fixed by the shapes, not by the data. Per step a rank sends about (2 |W| + |Lambda|) (P-1)/P^2 and receives (|W| + |Lambda|)
-(P-1)/P^2 elements summed over the matrices, where |Lambda| = q^2 (0 for plain Muon, the exact
-square Stiefel step and the reference solver, which keep no warm start): 3/P of one fp32
-all-gather of W when Lambda is small, as for MLP matrices (q^2 = |W|/4).
+its own: two collectives per bucket (GPT-2 small on 8 ranks: one bucket; XL: 16), their number
+and sizes fixed by the shapes, not by the data; each bucket's owners balanced on their own
+(`buckets`, `bucket_owners`). Per step and rank, summed over the matrices with balanced owners,
+the out exchange moves about (2 |W| + |Lambda|) (P-1)/P^2 elements and the back exchange
+(|W| + |Lambda|) (P-1)/P^2, each as much sent as received, where |Lambda| = q^2 (0 for plain Muon,
+the exact square Stiefel step and the reference solver, which keep no warm start): 3/P of one
+fp32 all-gather of W both ways when Lambda is small, as for MLP matrices (q^2 = |W|/4).
+`optimizer.exchange_counts` counts what a step sent and received.
 
 Parts are rectangles: rank r holds rows (or columns) torch.chunk-wise, ceil(n/P) each, the last
 ranks fewer or none (FSDP2's split); a piece [lo, hi) x all columns meets it in a rectangle,
@@ -284,6 +287,7 @@ class ShardedStep:
         out_sizes = [sum(n for piece in self.pieces_of(me) for _, n in self.out_parts(piece, src))
                      for src in range(layout.size)]
         received = exchange(sends, in_sizes, out_sizes, layout.group, device)
+        count_exchange(opt, in_sizes, out_sizes, me, solved=len(self.pieces_of(me)))
         # 3. assemble my pieces and solve them, bank by bank, as one process does
         whole = {}
         for piece in self.pieces_of(me):
@@ -332,6 +336,7 @@ class ShardedStep:
         out_sizes = [sum(n for piece in self.pieces_of(src) for _, n in self.back_parts(piece, me))
                      for src in range(layout.size)]
         received = exchange(sends, in_sizes, out_sizes, layout.group, device)
+        count_exchange(opt, in_sizes, out_sizes, me)
         targets, sources, offset = [], [], 0
         for src in range(layout.size):
             for piece in self.pieces_of(src):
@@ -347,37 +352,81 @@ class ShardedStep:
 
 
 # The exchange goes in buckets of pieces, each at most this many elements of W per rank of the group
-# (or the largest piece): what an owner holds at once (W, G and Lambda received, the same assembled,
-# the new W and Lambda sent back: about 3 (2 |W| + |Lambda|) fp32) is bounded by a bucket, not by all
-# of its matrices. 2^24 elements (64 MiB of fp32 W) per rank: GPT-2 XL at 8 ranks in 9 buckets
-# (bench/memory.py counts what it holds)
+# (or one piece): what an owner holds at once (W, G and Lambda received, the same assembled, the new
+# W and Lambda sent back: about 3 (2 |W| + |Lambda|) fp32) is bounded by a bucket, not by all of its
+# matrices. 2^24 elements (64 MiB of fp32 W) per rank (bench/memory.py counts what it holds;
+# tests/test_sharded_plan.py pins the buckets of the GPT-2 presets)
 EXCHANGE_BUCKET = 1 << 24
 
 
+def piece_numel(piece):
+    return (piece.hi - piece.lo) * piece.param.size(1)
+
+
 def buckets(banks, ranks):
-    """The banks [(name, pieces)] cut into consecutive buckets of at most `ranks` x EXCHANGE_BUCKET
-    elements of W (a bucket holds at least one piece); each a list of (name, pieces)."""
-    numel = lambda piece: (piece.hi - piece.lo) * piece.param.size(1)  # noqa: E731
-    limit = ranks * max([EXCHANGE_BUCKET] + [numel(piece) for _, pieces in banks for piece in pieces])
-    out, current, size = [], OrderedDict(), 0
+    """The banks [(name, pieces)] cut into buckets, each a list of (name, pieces), such that each
+    bucket's owners can be balanced exactly (bucket_owners): a bank's pieces (one shape) go in
+    runs of k x ranks, k the pieces one rank may hold within EXCHANGE_BUCKET elements (at least
+    one: a larger piece gets a bucket row of its own), the last run the largest multiple of
+    `ranks` left, then the pieces left over (fewer than `ranks` per bank); runs and pieces fill
+    buckets in that order up to `ranks` x EXCHANGE_BUCKET elements (or `ranks` largest pieces).
+    Buckets cut by element count alone split banks anywhere, and their owners waited on the most
+    loaded one (GPT-2 XL hetero at 8 ranks: 17 QKV pieces landing 3 vs 2 per rank); a bucket of
+    whole runs gives every rank the same pieces of each bank."""
+    units = []  # runs of one bank (k x ranks pieces), then the pieces left over, in bank order
+    rest = []
     for name, pieces in banks:
-        for piece in pieces:
-            if size and size + numel(piece) > limit:
-                out.append(list(current.items()))
-                current, size = OrderedDict(), 0
-            current.setdefault(name, []).append(piece)
-            size += numel(piece)
+        per_rank = max(1, EXCHANGE_BUCKET // max(1, piece_numel(pieces[0])))
+        start = 0
+        while len(pieces) - start >= ranks:
+            size = min(per_rank, (len(pieces) - start) // ranks) * ranks
+            units.append((name, pieces[start:start + size]))
+            start += size
+        rest.extend((name, [piece]) for piece in pieces[start:])
+    limit = ranks * max([EXCHANGE_BUCKET] + [piece_numel(piece) for _, pieces in banks for piece in pieces])
+    out, current, size = [], OrderedDict(), 0
+    for name, unit in units + rest:
+        numel = sum(piece_numel(piece) for piece in unit)
+        if size and size + numel > limit:
+            out.append(list(current.items()))
+            current, size = OrderedDict(), 0
+        current.setdefault(name, []).extend(unit)
+        size += numel
     if current:
         out.append(list(current.items()))
     return out
 
 
+def bucket_owners(bucketed, plan, ranks):
+    """{piece.key: rank}: each bucket's pieces balanced over the ranks by their cost
+    (optimizer.balanced_owners, longest first), bucket by bucket, so that no bucket waits on one
+    owner while others idle."""
+    owners = {}
+    for bucket in bucketed:
+        owners.update(balanced([piece for _, pieces in bucket for piece in pieces], plan, ranks))
+    return owners
+
+
+def bucket_balance(bucketed, owners, plan, ranks):
+    """The worst bucket's most loaded owner over its mean load (1 = every bucket balanced exactly),
+    by work.piece_cost."""
+    worst = 1.0
+    for bucket in bucketed:
+        loads = [0] * ranks
+        for _, pieces in bucket:
+            for piece in pieces:
+                loads[owners[piece.key]] += piece_cost(piece, plan)
+        if sum(loads):
+            worst = max(worst, max(loads) * ranks / sum(loads))
+    return worst
+
+
 def shard_plan(optimizer, layout, banks):
-    """(owners {piece.key: rank}, buckets) of one shard group's step: owners balanced over all of
-    the group's pieces (stable over steps), the banks with gradients cut into buckets. Every rank
-    must derive the same (plan_check compares them)."""
-    every = [piece for piece in optimizer.pieces() if is_sharded(piece.param) and shard_layout(piece.param) == layout]
-    return balanced(every, optimizer.plan, layout.size), buckets(banks, layout.size)
+    """(owners {piece.key: rank}, buckets) of one shard group's step: the banks with gradients
+    cut into buckets, each balanced over the group's ranks. Every rank must derive the same
+    (plan_check compares them)."""
+    bucketed = buckets(banks, layout.size)
+    return bucket_owners(bucketed, optimizer.plan, layout.size), bucketed
 
 
 def step_shard_group(optimizer, layout, banks, owners, bucketed, momenta):
@@ -424,6 +473,16 @@ def balanced(pieces, plan, world_size):
     from manifolds.optimizer import balanced_owners
     owners = balanced_owners([piece_cost(piece, plan) for piece in pieces], world_size)
     return {piece.key: rank for piece, rank in zip(pieces, owners)}
+
+
+def count_exchange(optimizer, in_sizes, out_sizes, me, solved=0):
+    """Add one all_to_all_single to optimizer.exchange_counts (this step's): fp32 elements sent to
+    and received from the other ranks, collectives, pieces solved here."""
+    counts = optimizer.exchange_counts
+    counts["sent"] += sum(n for rank, n in enumerate(in_sizes) if rank != me)
+    counts["received"] += sum(n for rank, n in enumerate(out_sizes) if rank != me)
+    counts["collectives"] += 1
+    counts["solved"] += solved
 
 
 def exchange(sends, in_sizes, out_sizes, group, device):

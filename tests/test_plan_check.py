@@ -2,6 +2,7 @@
 naming what differs, before any exchange (under NCCL such a step hangs). Two gloo ranks started as
 fresh interpreters (not forked from pytest's threads), rank 1 altered on purpose: its owners
 (replicated and FSDP2-sharded parameters) or, after a resume, its warm-start flags."""
+import json
 import os
 import subprocess
 import sys
@@ -37,6 +38,20 @@ WORKER = textwrap.dedent('''
     if rank == 1 and mode in ("replicated", "sharded"):  # a rank whose owners differ
         balanced = optimizer_module.balanced_owners
         optimizer_module.balanced_owners = lambda costs, n: [n - 1 - r for r in balanced(costs, n)]
+    if mode == "balanced":  # groups by hand: the sharded matrices reach ManifoldMuon off their manifolds
+        import json
+        from manifolds import manifold_violation
+        matrices = [b.attn.c_attn.weight for b in model.blocks] + [b.mlp.c_fc.weight for b in model.blocks]
+        before = [manifold_violation(w.full_tensor().detach(), "stiefel") for w in matrices]
+        opt = ManifoldMuon([{"params": matrices, "manifold": "stiefel"}], lr=0.05)
+        after = [manifold_violation(w.full_tensor().detach(), "stiefel") for w in matrices]
+        x = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(rank))
+        model(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+        json.dump({"before": before, "after": after, "counts": opt.exchange_counts,
+                   "stepped": [manifold_violation(w.full_tensor().detach(), "stiefel") for w in matrices]},
+                  open(out, "w"))
+        sys.exit(0)
     groups, _ = manifold_param_groups(model, "hetero", adamw={"lr": 1e-3})
     opt = ManifoldMuon(groups, lr=0.05)
 
@@ -65,13 +80,11 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("mode,component", [("replicated", "owners"), ("sharded", "owners"),
-                                            ("resume", "warm starts")])
-def test_a_rank_with_another_plan_stops_every_rank_with_the_digest_error(tmp_path, mode, component):
+def launch(tmp_path, mode):
+    """(exit codes, stderr tails, each rank's out file or None) of the worker on 2 ranks."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    start = time.time()
     ranks = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(tmp_path / "store"), mode,
-                               str(tmp_path / f"error{rank}")], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+                               str(tmp_path / f"out{rank}")], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
     try:
         codes = [process.wait(timeout=120) for process in ranks]
@@ -79,9 +92,18 @@ def test_a_rank_with_another_plan_stops_every_rank_with_the_digest_error(tmp_pat
         for process in ranks:
             process.kill()
     errors = [process.stderr.read()[-3000:] for process in ranks]
+    outs = [open(tmp_path / f"out{rank}").read() if os.path.exists(tmp_path / f"out{rank}") else None
+            for rank in range(2)]
+    return codes, errors, outs
+
+
+@pytest.mark.parametrize("mode,component", [("replicated", "owners"), ("sharded", "owners"),
+                                            ("resume", "warm starts")])
+def test_a_rank_with_another_plan_stops_every_rank_with_the_digest_error(tmp_path, mode, component):
+    start = time.time()
+    codes, errors, messages = launch(tmp_path, mode)
     assert codes == [3, 3], errors  # both ranks stopped on the mismatch, neither hung nor crashed
     assert time.time() - start < 90  # seconds after the start (mostly imports), not a collective's timeout
-    messages = [open(tmp_path / f"error{rank}").read() for rank in range(2)]
     assert messages[0] == messages[1]
     assert f"{component} (ranks 1 differ from rank 0)" in messages[0]
     others = [name for name in plan_check.COMPONENTS if name != component]
@@ -92,3 +114,16 @@ def test_digests_name_each_component():
     same = {name: "x" for name in plan_check.COMPONENTS}
     assert len({plan_check.digest(text) for text in ("a", "b", "a ")}) == 3
     assert all(plan_check.digest(text) == plan_check.digest(text) for text in same.values())
+
+
+def test_sharded_matrices_are_projected_by_the_optimizer_and_both_ranks_solve(tmp_path):
+    codes, errors, outs = launch(tmp_path, "balanced")
+    assert codes == [0, 0], errors
+    ranks = [json.loads(out) for out in outs]
+    for rank in ranks:
+        assert min(rank["before"]) > 1e-2  # GPT-2's init is off Stiefel...
+        assert max(rank["after"]) <= 1e-5  # ...and ManifoldMuon put the sharded matrices on it
+        assert max(rank["stepped"]) <= 1e-5
+    # 4 pieces balanced over 2 ranks: each rank solves 2 and receives the others' parts
+    assert [rank["counts"]["solved"] for rank in ranks] == [2, 2]
+    assert all(rank["counts"]["received"] > 0 and rank["counts"]["collectives"] == 2 for rank in ranks)
