@@ -129,6 +129,11 @@ def add_run_flags(a):
                    help="with --fsdp: shard within groups of N consecutive ranks and replicate across the "
                         "groups (HSDP; e.g. N = GPUs per node, so that the per-step shard traffic stays "
                         "inside a node); 0 = shard over all ranks")
+    a.add_argument("--fsdp-grad-sync", choices=("every", "last"), default="every",
+                   help="with --fsdp and gradient accumulation: reduce-scatter the gradients on every micro-step "
+                        "(each rank holds only its shards: what sharding is for) or only on the last (DDP's "
+                        "choice: fewer collectives, but every rank holds the whole model's unsharded fp32 "
+                        "gradients between micro-steps; bench.memory counts them)")
     a.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile the model (GPU runs)")
     a.add_argument("--wandb", choices=("off", "offline", "online"), default="off",
@@ -1157,9 +1162,10 @@ def train_step(run, step, prefetch, stop):
     for micro in range(args.grad_accum):
         x, y = next_batch(run, prefetch, step, micro)
         last = micro == args.grad_accum - 1
-        # gradients are all-reduced (reduce-scattered under --fsdp) once, on the last micro-step
+        # gradients are all-reduced once, on the last micro-step; under --fsdp reduce-scattered on
+        # every micro-step (--fsdp-grad-sync every: only shards are held) or on the last
         if args.fsdp:
-            run.model.set_requires_gradient_sync(last)
+            run.model.set_requires_gradient_sync(last or args.fsdp_grad_sync == "every")
         with contextlib.nullcontext() if last or run.env.world_size == 1 or args.fsdp else run.step_model.no_sync():
             with run.autocast:
                 loss = run.step_model(x, y) / args.grad_accum

@@ -15,7 +15,10 @@ ManifoldMuon's momentum and dual warm starts, on the rank that holds them:
     transients): two blocks' gathered parameters (the one computing and the one prefetched, bf16 as
     on a GPU) and one block's unsharded fp32 gradients, and the optimizer exchange of the largest
     bucket (sharded.EXCHANGE_BUCKET) at its most loaded owner: what it receives, the assembled whole
-    matrices and what it sends back, 3 (2 |W| + |Lambda|) fp32.
+    matrices and what it sends back, 3 (2 |W| + |Lambda|) fp32. With gradient accumulation (the
+    trainer's total batch of 64 sequences, 8 per rank: 8 micro-steps on 1 rank, 1 on 8) and
+    --fsdp-grad-sync last, the whole model's unsharded fp32 gradients wait on every rank for the
+    last micro-step: the "accumulation" column (every, the default: 0, the shards accumulate).
 Activations are not counted (they depend on the micro-batch, not on sharding). The largest rank is
 reported. --live trains one step of a preset on 2 gloo ranks, DDP and --fsdp, and sums the bytes of
 the live tensors each rank holds (local shards under --fsdp) per category, beside the count for
@@ -71,6 +74,10 @@ def count(args, world, fsdp):
     muon.world_size = world
     # DDP's reducer keeps its own copy of every gradient in its buckets
     worst["grad_buckets"] = 0 if fsdp or world == 1 else worst["gradients"]
+    # --fsdp --fsdp-grad-sync last with accumulation: the unsharded fp32 gradients of the whole
+    # model wait on every rank for the last micro-step (every: the shards accumulate in place)
+    accumulating = fsdp and train_gpt2.grad_accum_steps(args, world) > 1 and args.fsdp_grad_sync == "last"
+    worst["accumulation"] = FP32 * sum(p.numel() for p in dict.fromkeys(model.parameters())) if accumulating else 0
     worst["in_flight"] = in_flight(model, muon, world, fsdp)
     return worst
 
@@ -92,20 +99,21 @@ def in_flight(model, muon, world, fsdp):
     return 2 * block * BF16 + block * FP32 + exchange
 
 
-def report(presets, ranks):
+def report(presets, ranks, *flags):
     print("COUNTED on the meta device (in flight: an ESTIMATE); MiB per rank, the most loaded rank")
-    print(f"{'model':12} {'ranks':>5} {'layout':6} " + " ".join(f"{c:>14}" for c in CATEGORIES + ("grad_buckets",))
+    print(f"{'model':12} {'ranks':>5} {'layout':6} "
+          + " ".join(f"{c:>14}" for c in CATEGORIES + ("grad_buckets", "accumulation"))
           + f" {'persistent':>11} {'in flight':>10} {'total':>9}")
     totals = {}
     for preset in presets:
-        args = trainer_args(preset)
+        args = trainer_args(preset, *flags)
         for world in ranks:
             for fsdp in (False, True):
                 held = count(args, world, fsdp)
-                persistent = sum(held[c] for c in CATEGORIES) + held["grad_buckets"]
+                persistent = sum(held[c] for c in CATEGORIES) + held["grad_buckets"] + held["accumulation"]
                 totals[preset, world, fsdp] = persistent + held["in_flight"]
                 print(f"{preset:12} {world:5d} {'fsdp' if fsdp else 'ddp':6} "
-                      + " ".join(f"{held[c] / 2**20:14.1f}" for c in CATEGORIES + ("grad_buckets",))
+                      + " ".join(f"{held[c] / 2**20:14.1f}" for c in CATEGORIES + ("grad_buckets", "accumulation"))
                       + f" {persistent / 2**20:11.1f} {held['in_flight'] / 2**20:10.1f}"
                       + f" {totals[preset, world, fsdp] / 2**20:9.1f}")
     return totals
@@ -211,8 +219,12 @@ def main(argv=None):
     parser.add_argument("--model", default="gpt2", choices=train_gpt2.MODEL_PRESETS, help="the live check's preset")
     parser.add_argument("--n-layer", type=int, default=None, help="the live check's blocks (default: the preset's)")
     parser.add_argument("--seq-len", type=int, default=64, help="the live check's sequence length")
+    parser.add_argument("--fsdp-grad-sync", choices=("every", "last"), default="every",
+                        help="the table's --fsdp runs: the trainer's flag (last: with accumulation, the whole "
+                             "model's unsharded gradients wait for the last micro-step: the accumulation column)")
     args = parser.parse_args(argv)
-    totals = {} if args.live_only else report(list(train_gpt2.MODEL_PRESETS), RANKS)
+    totals = {} if args.live_only else report(list(train_gpt2.MODEL_PRESETS), RANKS,
+                                               "--fsdp-grad-sync", args.fsdp_grad_sync)
     agree = True
     if args.live or args.live_only:
         flags = ["--model", args.model, "--seq-len", str(args.seq_len), "--total-batch-size", "2", "--batch-size", "1"]

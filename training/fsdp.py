@@ -41,6 +41,9 @@ def check_fsdp_flags(args, world_size):
     divide the ranks."""
     if args.fsdp_shard_ranks and not args.fsdp:
         raise UserError("--fsdp-shard-ranks shards within groups of ranks: it needs --fsdp")
+    if args.fsdp_grad_sync == "last" and not args.fsdp:
+        raise UserError("--fsdp-grad-sync last chooses when --fsdp reduce-scatters: it needs --fsdp "
+                        "(without it gradients are all-reduced once per step)")
     if not args.fsdp:
         return
     if args.fsdp_shard_ranks < 0 or (args.fsdp_shard_ranks and world_size % args.fsdp_shard_ranks):
