@@ -53,6 +53,9 @@ def main():
     ap.add_argument("--precision", nargs="+", default=["fp32"], choices=("fp32", "tf32", "bf16"),
                     help="the inner iterations' precision (SolverOptions.precision; tf32 emulated on CPU), "
                          "each a row")
+    ap.add_argument("--scheme", nargs="+", default=["online"], choices=("online", "admm"),
+                    help="the solver scheme (SolverOptions.scheme; online: the penalties, growth, relax, "
+                         "warm average and pullbacks do not apply), each a row")
     ap.add_argument("--momenta", default=None, help="replay real momenta from bench/dump_momenta.py")
     ap.add_argument("--shapes", nargs="+", type=parse_shape, default=[(768, 256, "stiefel"), (1024, 256, "dgram")],
                     metavar="ROWSxCOLS:MANIFOLD",
@@ -79,7 +82,7 @@ def main():
               flush=True)
         cases.append((W, Gs, manifold, opt))
     names = [f"{m} {W.size(-2)}x{W.size(-1)} {it} it." for it in args.iterations for W, _, m, _ in cases]
-    print(f"warm, the 4th step, clip {args.clip}:  penalty growth relax precision warm-average pullbacks | "
+    print(f"warm, the 4th step, clip {args.clip}:  scheme [penalty growth relax] precision [warm-average pullbacks] | "
           + " | ".join(names))
     for row in setting_rows(args):
         qualities = []
@@ -94,7 +97,7 @@ def main():
         print(f"{row_label(row)} | " + " | ".join(f"{x:.4f}" for x in qualities), flush=True)
     print("cold (first step, 6 iterations):  penalty | " + " | ".join(m for _, _, m, _ in cases))
     for penalty in args.penalties:
-        cold = plan_for(SolverOptions(iterations=3, tol=0, rho=penalty), "cpu")
+        cold = plan_for(SolverOptions(scheme="admm", iterations=3, tol=0, rho=penalty), "cpu")
         row = [quality(W[0].double(), Gs[-1][0].double(),
                        solve_tall(W, Gs[-1], geometry(m), None, cold).A[0].double(), opt)
                for W, Gs, m, opt in cases]
@@ -115,21 +118,31 @@ def parse_shape(text):
 
 def row_plan(args, row, iterations):
     """The CPU SolverPlan of one row of the sweep at an iteration budget (fixed budgets, sync-free)."""
-    penalty, growth, relax, precision, average, pullbacks = row
-    return plan_for(SolverOptions(iterations=iterations, pullbacks=pullbacks, tol=0, rho_warm=penalty,
+    scheme, penalty, growth, relax, precision, average, pullbacks = row
+    return plan_for(SolverOptions(scheme=scheme, iterations=iterations, pullbacks=pullbacks, tol=0, rho_warm=penalty,
                                   rho_growth=growth, relax=relax, warm_average=average, clip=args.clip,
                                   precision=precision, capturable=True), "cpu")
 
 
 def row_label(row):
-    penalty, growth, relax, precision, average, pullbacks = row
-    return f"{penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {average:.2f} {pullbacks}"
+    scheme, penalty, growth, relax, precision, average, pullbacks = row
+    if scheme == "online":
+        return f"online {precision}"
+    return f"admm {penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {average:.2f} {pullbacks}"
 
 
 def setting_rows(args):
-    return [(penalty, growth, relax, precision, average, pullbacks) for penalty in args.penalties
-            for growth in args.growth for relax in args.relax for precision in args.precision
-            for average in args.warm_average for pullbacks in args.pullbacks]
+    """Rows of the sweep: ADMM's settings crossed; the online scheme's by precision only (it reads none of them)."""
+    rows = []
+    for scheme in args.scheme:
+        if scheme == "online":
+            rows += [("online", args.penalties[0], args.growth[0], args.relax[0], precision, args.warm_average[0],
+                      args.pullbacks[0]) for precision in args.precision]
+            continue
+        rows += [("admm", penalty, growth, relax, precision, average, pullbacks) for penalty in args.penalties
+                 for growth in args.growth for relax in args.relax for precision in args.precision
+                 for average in args.warm_average for pullbacks in args.pullbacks]
+    return rows
 
 
 def windows(steps):
@@ -171,7 +184,7 @@ def replay(args):
     names = [f"step {last} {steps[-1][b][1]} {'x'.join(map(str, steps[-1][b][2].shape[1:]))}"
              for last, steps, targets in cases for b in sorted({b for b, _ in targets})]
     print(f"real momenta ({args.momenta}), warm-started through each window, clip {args.clip}; worst / mean "
-          "quality of a bank's matrices:  penalty growth relax precision warm-average pullbacks iterations | "
+          "quality of a bank's matrices:  scheme [penalty growth relax] precision [warm-average pullbacks] iterations | "
           + " | ".join(names))
     for row in setting_rows(args):
         for it in args.iterations:
