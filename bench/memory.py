@@ -9,7 +9,7 @@ COUNTED from the tensors of the trainer's own model and optimizer groups built o
 ManifoldMuon's momentum and dual warm starts, on the rank that holds them:
   * DDP: every rank holds every parameter and gradient (and DDP's gradient buckets, as many bytes
     again), AdamW's state of every parameter, and ManifoldMuon's state of the matrices it owns
-    (optimizer.balanced_owners); in flight, the step's flat all-gather of the new weights.
+    (work.balanced_owners); in flight, the step's flat all-gather of the new weights.
   * --fsdp: rank r holds rows chunk r of every parameter (torch.chunk's split, as FSDP2), of its
     gradient and of every optimizer state (manifolds/sharded.py); in flight (an ESTIMATE of the
     transients): two blocks' gathered parameters (the one computing and the one prefetched, bf16 as

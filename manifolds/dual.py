@@ -50,6 +50,12 @@ class Solution:
     fallbacks: object = 0       # matrices that took the span's precision fallback (a tensor, or 0)
 
 
+# per-bank statistics of a step (ManifoldMuon.stats): iterations and residual are maxima over
+# matrices and ranks, fallbacks a count
+STAT_FIELDS = ("iterations", "residual", "fallbacks")
+STATS = len(STAT_FIELDS)
+
+
 # --- small helpers --------------------------------------------------------------------------
 
 def unit(G):

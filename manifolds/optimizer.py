@@ -52,11 +52,12 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adamw import adamw
 
 from manifolds import reference, sharded
-from manifolds.dual import solve_tall_banks
+from manifolds.dual import STAT_FIELDS, STATS, solve_tall_banks
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
 from manifolds import plan_check
 from manifolds.sharded import is_sharded, local, shard_layout, shard_plan, step_shard_group
 from manifolds.plan import SolverOptions, plan_for
+from manifolds import work
 from manifolds.work import piece_cost
 
 # group options that may differ inside one bank: they enter the step per matrix
@@ -67,10 +68,6 @@ NOT_OPTIONS = ("params", "name", "blocks", "manifold", "initial_lr", "transposed
 ALGORITHMS = ("muon", "adamw")
 # an "adamw" group's options that it does not give: torch.optim.AdamW's defaults
 ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
-# per-bank statistics of a step (`stats`): iterations and residual are maxima over matrices and ranks,
-# fallbacks a count
-STAT_FIELDS = ("iterations", "residual", "fallbacks")
-STATS = len(STAT_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -128,20 +125,6 @@ def per_matrix(W, values):
     if W.device.type == "cuda":
         host = host.pin_memory()
     return host.to(W.device, non_blocking=True)[:, None, None]
-
-
-def balanced_owners(costs, world_size):
-    """The rank that computes each of these pieces (costs in the optimizer's piece order):
-    longest processing time first, each piece onto the least loaded rank (ties: the lowest
-    rank), pieces in order of decreasing cost (ties: the earlier piece). Deterministic, so every
-    rank computes the same assignment without communicating."""
-    loads = [0] * world_size
-    owners = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        owners[i] = rank
-        loads[rank] += costs[i]
-    return owners
 
 
 def on_manifold_tol(dtype):
@@ -312,7 +295,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         """{piece.key: rank} for every piece of a replicated parameter: the rank that computes its
         step (balanced_owners). Sharded parameters' owners are their shard group's (sharded.py)."""
         pieces = [piece for piece in self.pieces() if not is_sharded(piece.param)]
-        owners = balanced_owners([piece_cost(piece, self.plan) for piece in pieces], self.world_size)
+        owners = work.balanced_owners([piece_cost(piece, self.plan) for piece in pieces], self.world_size)
         return {piece.key: rank for piece, rank in zip(pieces, owners)}
 
     def owned_pieces(self):

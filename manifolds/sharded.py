@@ -4,7 +4,7 @@ replicas each run the same exchange on their own shard group).
 
 Manifold Muon needs whole matrices, and more than Muon does: the tangent space and the retraction
 are W's, and the answer is a new W, not an increment. So each piece (a parameter, or a row block
-of one) has an owner among the P ranks of its shard group (optimizer.balanced_owners on
+of one) has an owner among the P ranks of its shard group (work.balanced_owners on
 work.piece_cost, as under DDP), and one step is
 
   1. momentum on the local shards: buf <- mu buf + g, G = g + mu buf (the state "momentum_buffer"
@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from manifolds import work
+from manifolds.dual import STAT_FIELDS, STATS
 from manifolds.geometry import geometry
 from manifolds.work import piece_cost
 
@@ -399,7 +401,7 @@ def buckets(banks, ranks):
 
 def bucket_owners(bucketed, plan, ranks):
     """{piece.key: rank}: each bucket's pieces balanced over the ranks by their cost
-    (optimizer.balanced_owners, longest first), bucket by bucket, so that no bucket waits on one
+    (work.balanced_owners, longest first), bucket by bucket, so that no bucket waits on one
     owner while others idle."""
     owners = {}
     for bucket in bucketed:
@@ -453,7 +455,6 @@ def merge_stats(a, b):
 
 def gather_stats(optimizer, layout, names, device):
     """Every bank's statistics from the ranks that solved a share of it: one small all-gather."""
-    from manifolds.optimizer import STAT_FIELDS, STATS
     mine = torch.full((len(names), STATS), -float("inf"), dtype=torch.float32, device=device)
     for i, name in enumerate(names):
         if name in optimizer.last_stats:
@@ -470,8 +471,7 @@ def gather_stats(optimizer, layout, names, device):
 
 
 def balanced(pieces, plan, world_size):
-    from manifolds.optimizer import balanced_owners
-    owners = balanced_owners([piece_cost(piece, plan) for piece in pieces], world_size)
+    owners = work.balanced_owners([piece_cost(piece, plan) for piece in pieces], world_size)
     return {piece.key: rank for piece, rank in zip(pieces, owners)}
 
 

@@ -1,7 +1,7 @@
 """What one optimizer step computes for one matrix, term by term, in multiply-adds.
 
 `matrix_work` is the one description of the solver's work: rank balancing
-(optimizer.balanced_owners, through `piece_cost`) splits the pieces by its total, and the
+(`balanced_owners`, through `piece_cost`) splits the pieces by its total, and the
 benchmarks' FLOP model (bench/optimizer.py) sums it over a model's matrices. Only its ratios
 between matrices have to be right for the balancing; bench/cost_model.py counts the real ops of
 a step, which is what a GPU estimate uses.
@@ -61,3 +61,17 @@ def piece_cost(piece, plan):
     """Estimated cost of one warm step of an optimizer piece (total of matrix_work)."""
     rows, cols = piece.hi - piece.lo, piece.param.size(1)
     return sum(matrix_work(piece.manifold, max(rows, cols), min(rows, cols), plan).values())
+
+
+def balanced_owners(costs, world_size):
+    """The rank that computes each of these pieces (costs in the optimizer's piece order):
+    longest processing time first, each piece onto the least loaded rank (ties: the lowest
+    rank), pieces in order of decreasing cost (ties: the earlier piece). Deterministic, so every
+    rank computes the same assignment without communicating."""
+    loads = [0] * world_size
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[i] = rank
+        loads[rank] += costs[i]
+    return owners

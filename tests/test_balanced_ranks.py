@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from manifolds import ManifoldMuon, project_to_manifold
-from manifolds.optimizer import balanced_owners
+from manifolds.work import balanced_owners
 from manifolds.work import piece_cost
 
 LAYOUTS = {  # {module key: manifold or qkv blocks} as train_gpt2's --assign presets give them

@@ -23,7 +23,7 @@ WORKER = textwrap.dedent('''
         from torch.distributed import fsdp as _fsdp, tensor as _tensor  # noqa: F401 (before the group)
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
     import train_gpt2
-    import manifolds.optimizer as optimizer_module
+    import manifolds.work as work_module
     from manifolds import ManifoldMuon, manifold_param_groups
     from manifolds.plan_check import PlanMismatch
     torch.manual_seed(0)
@@ -36,8 +36,8 @@ WORKER = textwrap.dedent('''
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     if rank == 1 and mode in ("replicated", "sharded"):  # a rank whose owners differ
-        balanced = optimizer_module.balanced_owners
-        optimizer_module.balanced_owners = lambda costs, n: [n - 1 - r for r in balanced(costs, n)]
+        balanced = work_module.balanced_owners
+        work_module.balanced_owners = lambda costs, n: [n - 1 - r for r in balanced(costs, n)]
     if mode == "balanced":  # groups by hand: the sharded matrices reach ManifoldMuon off their manifolds
         import json
         from manifolds import manifold_violation
