@@ -40,7 +40,7 @@ from training.checkpoints import (check_resumable, checkpoint_path, checkpoint_p
                                   load_muon_state, restore, restore_run, run_payload, save_atomic, save_checkpoint)
 from training.auto_assign import AutoAssign
 from training.user_manifolds import import_manifold_modules, saved_manifold_modules
-from training.fsdp import check_fsdp_flags, gathered_matrix_stats, shard_model, whole
+from training.fsdp import check_fsdp_flags, check_replicas, gathered_matrix_stats, shard_model, whole
 from training.sharded_checkpoints import find_sharded_resume, load_sharded, save_sharded, sharded_checkpoint_path
 from training.diagnostics import AttentionProbe, matrix_stats
 from training.qk_clip import QKClip
@@ -1242,6 +1242,8 @@ def evaluate_and_log(run, step):
     run.val_loss, eval_tokens, fields = evaluate_and_diagnose(run.model, run.matrices, run.val_stream, run.args,
                                                               run.device, run.autocast, run.env)
     replica_diff = replica_max_abs_diff(run.model, run.env)
+    if run.args.fsdp:  # HSDP: replicas bitwise equal, or every rank stops with ReplicaDrift
+        check_replicas(run.model)
     if run.qk_clip is not None:
         fields.update(run.qk_clip.stats())
     if run.log:
@@ -1309,6 +1311,7 @@ def save(run, steps_done, prefix="ckpt"):
     --keep-ckpts, or <prefix>_<steps>.pt. A collective (Muon's state is gathered from every
     rank); rank 0 writes, and a failed write stops every rank here (exchange_status)."""
     if run.args.fsdp:
+        check_replicas(run.model)  # HSDP: a checkpoint of drifted replicas would keep one of them
         save_sharded_checkpoint(run, steps_done, prefix)
         return
     muon_state = run.muon.consolidated_state_dict()

@@ -31,6 +31,51 @@ def shard_model(model, device, dtype, shard_ranks=0):
     return model
 
 
+class ReplicaDrift(UserError):
+    """HSDP replicas whose parameters are no longer bitwise equal (check_replicas)."""
+
+
+def checksum(tensor):
+    """Two int64 sums of a tensor's bits, the second weighted by position: equal for bitwise-equal
+    tensors; a changed bit or a moved element changes them (overflow wraps, the same everywhere)."""
+    bits = tensor.detach().contiguous().reshape(-1)
+    bits = bits.view(torch.int32 if bits.element_size() == 4 else torch.int16).to(torch.int64)
+    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
+    return torch.stack([bits.sum(), (bits * weights).sum()])
+
+
+@torch.no_grad()
+def check_replicas(model):
+    """Under HSDP (--fsdp --fsdp-shard-ranks N < ranks) the replica groups must hold bitwise-equal
+    shards: each rank's checksums of its shards are all-gathered over its replicas, and whether a
+    parameter differs anywhere is all-reduced over every rank, so every rank raises the same
+    ReplicaDrift naming the parameters (never a hang). A collective: every rank calls it (the
+    trainer: at each eval and before each checkpoint). Returns the parameters compared (0 when
+    there are no replicas)."""
+    params = [(name, p) for name, p in model.named_parameters() if hasattr(p, "placements")]
+    if not params:
+        return 0
+    mesh, placements = params[0][1].device_mesh, params[0][1].placements
+    replicated = [dim for dim, placement in enumerate(placements) if placement.is_replicate()]
+    if not replicated or mesh.size(replicated[0]) == 1:
+        return 0
+    group = mesh.get_group(replicated[0])
+    mine = torch.stack([checksum(p.to_local()) for _, p in params])
+    replicas = mesh.size(replicated[0])
+    every = torch.empty(replicas * mine.numel(), dtype=mine.dtype, device=mine.device)  # flat: gloo's form
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(every, mine.reshape(-1), group=group)
+    differ = (every.view((replicas,) + tuple(mine.shape)) != mine).any(dim=2).any(dim=0).to(torch.int64)
+    dist.all_reduce(differ, op=dist.ReduceOp.MAX)
+    if bool(differ.any()):
+        names = [name for (name, _), bad in zip(params, differ.tolist()) if bad]
+        raise ReplicaDrift(f"HSDP replicas drifted apart: {len(names)} parameter(s) no longer bitwise equal "
+                           f"across the replica groups ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}); "
+                           "the run stopped before saving a state that depends on which replica is read "
+                           "(resume from the last checkpoint)")
+    return len(params)
+
+
 def whole(tensor):
     """The whole tensor of a DTensor (a collective: every rank calls it), else the tensor."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
