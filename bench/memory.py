@@ -25,6 +25,7 @@ the live tensors each rank holds (local shards under --fsdp) per category, besid
 that rank: they must agree. The last line: FSDP's bytes per rank over DDP's, GPT-2 XL at 8 ranks.
 """
 import argparse
+import datetime
 import multiprocessing
 import os
 import sys
@@ -40,6 +41,7 @@ from manifolds import sharded
 from manifolds.sharded import chunk_range, keeps_warm_start, warm_shape
 
 CATEGORIES = ("parameters", "gradients", "adamw", "manifold_muon")
+LIVE_TIMEOUT_S = 300  # --live: a rank's collectives, and the whole launch twice that
 RANKS = (1, 2, 4, 8)
 FP32, BF16 = 4, 2
 
@@ -139,7 +141,9 @@ def live_rank(rank, world, store, out, flags, fsdp):
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed import fsdp as _  # noqa: F401  (before the process group: train_gpt2.init_distributed says why)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    # a collective that waits longer than this fails (gloo's default is 30 minutes)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=LIVE_TIMEOUT_S))
     try:
         args = train_gpt2.parse_args(["--device", "cpu", *flags, *(["--fsdp"] if fsdp else [])])
         train_gpt2.validate_args(args, world_size=world)
@@ -164,14 +168,17 @@ def live(flags, world=2):
     measured = {}
     with tempfile.TemporaryDirectory() as tmp:
         for fsdp in (False, True):
-            context = multiprocessing.get_context("fork")
+            # spawn, not fork: a process forked from one that runs threads (pytest-xdist's, torch's
+            # pools) can start with a lock another thread held, and hang before its first line (5 of
+            # about 12 full runs of tests/test_bench.py did); a spawned rank starts a fresh interpreter
+            context = multiprocessing.get_context("spawn")
             procs = [context.Process(target=live_rank, args=(r, world, os.path.join(tmp, f"store{fsdp}"),
                                                              os.path.join(tmp, f"{fsdp}{r}.pt"), flags, fsdp))
                      for r in range(world)]
             for p in procs:
                 p.start()
             # a rank that dies leaves the others waiting in a collective: stop them all at once
-            deadline = time.monotonic() + 1800
+            deadline = time.monotonic() + 2 * LIVE_TIMEOUT_S
             while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
                 if any(p.exitcode not in (None, 0) for p in procs):
                     break

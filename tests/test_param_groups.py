@@ -253,8 +253,8 @@ def rank_main(rank, world_size, store, out_dir):
 
 
 def test_two_gloo_ranks_end_with_the_weights_of_one_process(tmp_path):
-    # forked (the parent has torch and transformers imported already: no second import per rank)
-    context = multiprocessing.get_context("fork")
+    # spawned, not forked: a rank forked from pytest's threads can hang before its first line
+    context = multiprocessing.get_context("spawn")
     ranks = [context.Process(target=rank_main, args=(rank, 2, str(tmp_path / "store"), str(tmp_path)))
              for rank in range(2)]
     for process in ranks:

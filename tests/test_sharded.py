@@ -216,7 +216,7 @@ def continue_from(model, opt, path, rank, world_size):
 
 def launch(world_size, out_dir, checkpoint_in=None):
     os.makedirs(out_dir, exist_ok=True)
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")  # not fork: see bench/memory.py's live()
     ranks = [context.Process(target=rank_main, args=(rank, world_size, os.path.join(out_dir, "store"), out_dir,
                                                        checkpoint_in)) for rank in range(world_size)]
     for process in ranks:

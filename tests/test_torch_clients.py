@@ -402,7 +402,7 @@ def rank_main(rank, world_size, store, out_dir):
 
 
 def test_two_gloo_ranks_with_a_frozen_layer_stay_bitwise_equal(tmp_path):
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")  # not fork: see bench/memory.py's live()
     ranks = [context.Process(target=rank_main, args=(rank, 2, str(tmp_path / "store"), str(tmp_path)))
              for rank in range(2)]
     for process in ranks:
