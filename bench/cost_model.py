@@ -4,6 +4,7 @@
     python -m bench.cost_model --fake --solver-opt iterations=4 --solver-opt pullbacks=1   # other budgets
     python -m bench.cost_model --solver-opt capturable=off      # the syncing step (early exits)
     python -m bench.cost_model --n-layer 2 --n-embd 64 --out /tmp/cost.json
+    python -m bench.cost_model --fake --fsdp --model gpt2-xl --world-size 8   # + the sharded step's line
 
 It builds the trainer's Muon groups exactly (train_gpt2.build_optimizers, --kernels torch, fp32
 on CPU) with the solver a GPU runs by default (its "auto" choices: polynomial clip, sync-free
@@ -25,6 +26,13 @@ until a GPU measures them (bench/step_time.py, bench/gpu_check.sh).
 are the same as a real run's as long as the step makes no data-dependent host decision: the
 sync-free step makes none; the syncing one (capturable=off: convergence checks) does, and then
 it reports so and counts a real run instead (unless --fake-only).
+
+--fsdp ends with one line per world size N > 1 for the sharded step (manifolds/sharded.py):
+`sharded: bucket balance B, bytes per rank G GB, optimizer R of forward+backward`, B the worst
+exchange bucket's most loaded owner over its mean (sharded.bucket_balance, work.piece_cost), G
+what a rank receives per step (bench/sharded_bytes.py's count), R an ESTIMATE of the compute
+only: the counted ranks' work summed, spread over the buckets as their owners carry it (each
+bucket waits for its most loaded owner), the exchange's bytes not timed; DDP's R beside it.
 """
 import argparse
 import contextlib
@@ -72,10 +80,17 @@ FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)
 GPU_SOLVER_OPTS = ("clip=polynomial", "capturable=on")
 
 
+MODEL_SHAPES = {"gpt2": (12, 768), "gpt2-medium": (24, 1024), "gpt2-large": (36, 1280), "gpt2-xl": (48, 1600)}
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-layer", type=int, default=12)
     ap.add_argument("--n-embd", type=int, default=768)
+    ap.add_argument("--model", choices=tuple(MODEL_SHAPES), default=None,
+                    help="a GPT-2 preset's shape (sets --n-layer and --n-embd)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="also the sharded step's line per world size above 1 (bucket balance, bytes, estimate)")
     ap.add_argument("--assign", default="hetero", help="train_gpt2.py's --assign (not auto)")
     ap.add_argument("--world-size", type=int, nargs="+", default=[1, 8], help="world sizes to count")
     ap.add_argument("--solver-opt", action="append", default=[], metavar="KEY=VALUE",
@@ -99,6 +114,8 @@ def parse_args(argv=None):
                     help="torch CPU threads (1 is fastest for small shapes on a busy machine)")
     ap.add_argument("--out", default=None, help="JSON results")
     args = ap.parse_args(argv)
+    if args.model:
+        args.n_layer, args.n_embd = MODEL_SHAPES[args.model]
     if args.fake_only:
         args.fake = True
     if args.assign.strip() == "auto":
@@ -316,6 +333,37 @@ def print_world(world_size, ranks, owners, fb, muon):
           f"{' per rank' if world_size > 1 else ''}")
 
 
+def sharded_line(args, world_size, ranks, fb, plan):
+    """Print and return the --fsdp line of one world size (module docstring)."""
+    from bench.memory import meta_model
+    from bench.sharded_bytes import per_step
+    from manifolds import ManifoldMuon, sharded
+    from manifolds.work import piece_cost
+    targs = trainer_args(args)
+    _, groups = meta_model(targs)
+    banks = list(ManifoldMuon(groups, shard=False).banks())
+    bucketed = sharded.buckets(banks, world_size)
+    owners = sharded.bucket_owners(bucketed, plan, world_size)
+    balance = sharded.bucket_balance(bucketed, owners, plan, world_size)
+    loads = [[0] * world_size for _ in bucketed]
+    for b, bucket in enumerate(bucketed):
+        for _, pieces in bucket:
+            for piece in pieces:
+                loads[b][owners[piece.key]] += piece_cost(piece, plan)
+    compute = sum(estimate(r)["total"] - estimate(r)["all_gather"] for r in ranks)  # every rank's share, summed
+    fsdp_seconds = compute * sum(max(load) for load in loads) / sum(sum(load) for load in loads)
+    ddp_seconds = max(estimate(r)["total"] for r in ranks)
+    received = per_step(targs.n_layer, targs.n_embd, dict(targs.assignment), world_size)["manifold_muon"]
+    line = {"bucket_balance": balance, "buckets": len(bucketed), "bytes_per_rank": received,
+            "optimizer_seconds": fsdp_seconds, "ratio": fsdp_seconds / fb["seconds"],
+            "ddp_ratio": ddp_seconds / fb["seconds"]}
+    print(f"\nworld size {world_size}, --fsdp ({len(bucketed)} exchange buckets; ESTIMATE: compute only, the "
+          f"exchange's bytes not timed): sharded: bucket balance {balance:.3f}, bytes per rank {received / 1e9:.2f} GB, "
+          f"optimizer {line['ratio']:.3f} of a step's forward+backward ({1e3 * fsdp_seconds:.2f} ms); "
+          f"DDP: optimizer {line['ddp_ratio']:.3f} ({1e3 * ddp_seconds:.2f} ms)")
+    return line
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
@@ -396,6 +444,11 @@ def count_and_report(args, out):
             "ratio_flops_to_field_muon": sum(r["flops_total"] for r in ranks) / muon["flops"],
             "ratio_estimate_to_field_muon": estimate(ranks[slowest])["total"] / muon["seconds"],
             "flops_total_all_ranks": sum(r["flops_total"] for r in ranks)})
+    if args.fsdp:
+        for world_size, ranks in counts.items():
+            if world_size > 1:
+                line = sharded_line(args, world_size, ranks, fwd_bwd(args, matmul_params, world_size), plan)
+                out.put("sharded", str(world_size), value=line)
     first = counts[args.world_size[0]][0]
     print(f"\ntop {args.top} kernels (world size {args.world_size[0]}, rank 0; views and allocations excluded): "
           + ", ".join(f"{name} {n}" for name, n in first["kernels_top"].items()))

@@ -105,6 +105,17 @@ def test_main_world_size_8_splits_the_work_exactly(tmp_path, capsys):
     assert "ESTIMATE" in capsys.readouterr().out
 
 
+def test_fsdp_prints_the_sharded_line_with_its_balance_bytes_and_estimate(tmp_path, capsys):
+    status, data = _run(tmp_path, "fsdp", "--world-size", "4", "--fake-only", "--fsdp")
+    line = data["sharded"]["4"]
+    assert status == 0 and line["buckets"] == 1
+    # 8 pieces of 3 shapes on 4 ranks, one bucket: LPT leaves the worst owner 10.6% above the mean
+    assert line["bucket_balance"] == pytest.approx(1.106, abs=1e-3)
+    assert line["bytes_per_rank"] > 0 and 0 < line["optimizer_seconds"]
+    printed = capsys.readouterr().out
+    assert "sharded: bucket balance 1.106, bytes per rank" in printed and "DDP: optimizer" in printed
+
+
 def test_fake_counts_equal_real_counts(tmp_path):
     # the default, sync-free step. One ADMM bank (mlp.fc, span-reduced), square Stiefel's dual (attn.proj), two plain Muon
     # banks: every solver path at a third of hetero's ops (fake tensors cost ~1 ms an op here)
