@@ -36,6 +36,15 @@ def _triton_products():
     return products_triton, None
 
 
+def tiles_by_rule(on=True):
+    """Pick the Triton kernels' tiles by a rule (the first configuration the pruning keeps), not
+    by each process's timing: processes that must compute the same bits (HSDP replicas) then do.
+    A no-op where Triton cannot be imported (the torch products have no tiles)."""
+    module, _ = _triton_products()
+    if module is not None:
+        module.TILES_BY_RULE = on
+
+
 def triton_available():
     """Can the fused kernels be imported here (the "auto" backend's choice on CUDA)?"""
     return _triton_products()[0] is not None

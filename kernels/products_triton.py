@@ -293,6 +293,11 @@ def make_tuner(name, configs=None, do_bench=None):
 # GPU problems of GPT-2 size: autotuned among GPU_CONFIGS (the key's dtypes are added by Triton)
 _tuners = {} if INTERPRETED else {name: make_tuner(name) for name in _jit}
 _chosen = {}  # (name, key) -> the configuration the autotuner picked
+# True: the first configuration the pruning keeps, with no timing. Processes that must compute
+# the same bits (HSDP replicas, which each solve every matrix) cannot let each one's autotuner
+# time its own choice: different tiles sum products in a different order. The trainer sets it
+# under --fsdp with replicas (kernels.tiles_by_rule)
+TILES_BY_RULE = False
 
 
 def _launch(name, grid, args, size, key, **constexprs):
@@ -315,7 +320,11 @@ def _launch(name, grid, args, size, key, **constexprs):
         config = SMALL_CONFIGS[name]
     else:
         config = _chosen.get((name, key))
-        if config is None:
+        if config is None and TILES_BY_RULE:
+            tuner = _tuners[name]
+            config = _prune(name, tuner.configs, dict(zip(tuner.arg_names, args)), **constexprs)[0]
+            _chosen[(name, key)] = config
+        elif config is None:
             tuner = _tuners[name]
             tuner[grid](*args, **constexprs)
             _chosen[(name, key)] = tuner.best_config

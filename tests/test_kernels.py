@@ -383,6 +383,31 @@ def test_autotuned_sumsq_counts_only_the_tiles_of_the_configuration_that_ran(mon
         products_triton.make_tuner("symmetric_gram", [triton.Config({"BLOCK": 16, "BLOCK_K": 16})])
 
 
+def test_tiles_by_rule_take_the_first_kept_configuration_without_timing(monkeypatch):
+    # HSDP replicas each solve every matrix: a tile chosen by each process's own timing could
+    # differ between them and round differently. By rule, the first configuration the pruning
+    # keeps runs, and no trial is timed.
+    ran = []
+    record = lambda nargs: ran.append(nargs["BLOCK"])  # noqa: E731
+    configs = [triton.Config({"BLOCK": 32, "BLOCK_K": 32}, pre_hook=record),
+               triton.Config({"BLOCK": 64, "BLOCK_K": 32}, pre_hook=record)]
+
+    def do_bench(kernel_call, quantiles):
+        raise AssertionError("timed a trial")
+
+    monkeypatch.setitem(products_triton._tuners, "symmetric_gram",
+                        products_triton.make_tuner("symmetric_gram", configs, do_bench=do_bench))
+    monkeypatch.setattr(products_triton, "_chosen", {})
+    monkeypatch.setattr(products_triton, "SMALL_PROBLEM", 0)
+    monkeypatch.setattr(products_triton, "TILES_BY_RULE", False)
+    kernels.tiles_by_rule()
+    X, Y = randn(2, 40, 150), randn(2, 40, 150, seed=1)
+    H = products_triton.symmetric_gram(X, Y, zero_diagonal=True)[0]
+    assert ran == []  # no autotuner trial ran (its pre-hooks record them)
+    assert [config.kwargs["BLOCK"] for config in products_triton._chosen.values()] == [32]
+    assert max_error(H, products_torch.symmetric_gram(X, Y, zero_diagonal=True)[0]) < 1e-4
+
+
 def test_fp32_dot_precision_follows_torch():
     matmul = torch.backends.cuda.matmul
     if not hasattr(matmul, "fp32_precision"):

@@ -10,6 +10,7 @@ weights stay fp32); on CPU everything is fp32. ManifoldMuon steps the sharded ma
 import torch
 import torch.distributed as dist
 
+import kernels
 from errors import UserError
 
 
@@ -21,6 +22,8 @@ def shard_model(model, device, dtype, shard_ranks=0):
     world = dist.get_world_size()
     if shard_ranks and shard_ranks != world:
         mesh = init_device_mesh(device.type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"))
+        # every replica group solves every matrix: their kernels must sum in the same order
+        kernels.tiles_by_rule()
     else:
         mesh = init_device_mesh(device.type, (world,))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
