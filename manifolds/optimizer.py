@@ -51,13 +51,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adamw import adamw
 
-from manifolds import reference, sharded
+from manifolds import plan_check, reference, sharded, work
 from manifolds.dual import STAT_FIELDS, STATS, solve_tall_banks
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
-from manifolds import plan_check
-from manifolds.sharded import is_sharded, local, shard_layout, shard_plan, step_shard_group
 from manifolds.plan import SolverOptions, plan_for
-from manifolds import work
+from manifolds.sharded import is_sharded, local, shard_layout, shard_plan, step_shard_group
 from manifolds.work import piece_cost
 
 # group options that may differ inside one bank: they enter the step per matrix
@@ -339,7 +337,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.exchange_counts = {"sent": 0, "received": 0, "collectives": 0, "solved": 0}
         owners = self.owners() if self.world_size > 1 else None
         active = []  # (name, pieces) of the banks of replicated parameters stepped
-        work = []  # (name, this rank's pieces of the bank), in bank order: the order the exchange packs
+        to_solve = []  # (name, this rank's pieces of the bank), in bank order: the order the exchange packs
         shard_groups = OrderedDict()  # ShardLayout: [(name, pieces)] of sharded parameters (sharded.py)
         for _, pieces in self.banks():
             # a matrix without a gradient is left alone; under DDP and FSDP every rank sees the same
@@ -358,16 +356,16 @@ class ManifoldMuon(torch.optim.Optimizer):
             active.append((name, pieces))
             mine = pieces if self.world_size == 1 else [piece for piece in pieces if owners[piece.key] == self.rank]
             if mine:
-                work.append((name, mine))
+                to_solve.append((name, mine))
         # the same groups in the same order on every rank: (layout, banks, owners, buckets)
         shard_plans = [(layout, banks, *shard_plan(self, layout, banks)) for layout, banks in shard_groups.items()]
         if not self._plan_checked:  # before any exchange whose sizes the plan sets
             self._check_plan(owners, shard_plans)
-        momenta = self._momenta([piece for _, pieces in work for piece in pieces] +
+        momenta = self._momenta([piece for _, pieces in to_solve for piece in pieces] +
                                 [piece for banks in shard_groups.values() for _, pieces in banks for piece in pieces])
         for layout, banks, shard_owners, bucketed in shard_plans:
             step_shard_group(self, layout, banks, shard_owners, bucketed, momenta)
-        computed = self._step_banks(work, self._replicated_inputs(momenta)) if work else []
+        computed = self._step_banks(to_solve, self._replicated_inputs(momenta)) if to_solve else []
         if self.world_size == 1:
             for pieces, new_W in computed:
                 self._write(pieces, new_W)
