@@ -29,3 +29,21 @@ def make_shards(data_dir, train_tokens=20000, val_tokens=4000, vocab=64, train_s
 TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
               "--vocab-size", "64", "--total-batch-size", "8", "--batch-size", "8", "--device", "cpu", "--wandb", "off",
               "--log-every", "1000"]
+
+
+def train_in_process(data_dir, out_dir, *flags):
+    """Run train_gpt2.main on TINY_MODEL in this process, on one thread (the reference solver's
+    small SVDs are 10x faster on one thread than on two contending); return its train losses."""
+    import json
+
+    import torch
+
+    import train_gpt2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_gpt2.main(["--data-dir", data_dir, "--out-dir", str(out_dir), *TINY_MODEL, *flags])
+    finally:
+        torch.set_num_threads(threads)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [row["train_loss"] for row in map(json.loads, f) if "train_loss" in row]

@@ -2,7 +2,6 @@
 Its projector and tangent projection, the solver's direction against the reference and the
 certified float64 optimum (both schemes), the radius kept to 1e-6 after every step by
 ManifoldMuon and by the trainer, and the reference solver training as the fast one."""
-import json
 import os
 
 import pytest
@@ -16,7 +15,7 @@ from manifolds.geometry import geometry
 from manifolds.optimum import optimum, quality, random_point
 from manifolds.plan import SolverOptions, plan_for
 from manifolds.reference import steepest_direction_reference
-from synthetic import TINY_MODEL, make_shards
+from synthetic import TINY_MODEL, make_shards, train_in_process
 
 HYPERBALL = geometry("hyperball")
 SHAPES = [(64, 32), (96, 32), (32, 32), (40, 10)]
@@ -135,15 +134,7 @@ RUN = ["--max-steps", "30", "--warmup-steps", "5", "--lr", "3e-3", "--min-lr", "
 
 
 def train(data_dir, out_dir, assign, *flags):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train_gpt2.main(["--data-dir", data_dir, "--out-dir", str(out_dir), *TINY_MODEL, "--assign", assign, *RUN,
-                         *flags])
-    finally:
-        torch.set_num_threads(threads)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        losses = [row["train_loss"] for row in map(json.loads, f) if "train_loss" in row]
+    losses = train_in_process(data_dir, out_dir, "--assign", assign, *RUN, *flags)
     return losses, torch.load(os.path.join(out_dir, "ckpt_00000030.pt"), weights_only=False)["model"]
 
 

@@ -8,10 +8,9 @@ import os
 import pytest
 import torch
 
-import train_gpt2
 from manifolds import MANIFOLDS, Manifold, ManifoldMuon, manifold_param_groups, manifold_violation, register_manifold
 from manifolds.geometry import polar_svd
-from synthetic import TINY_MODEL, make_shards
+from synthetic import make_shards, train_in_process
 
 SCALE = 2.0
 
@@ -100,15 +99,7 @@ def data_dir(tmp_path_factory):
 
 
 def train_losses(data_dir, out_dir, assign, *flags):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the reference's small SVDs: one thread is 10x faster than two contending
-    try:
-        train_gpt2.main(["--data-dir", data_dir, "--out-dir", str(out_dir), *TINY_MODEL, "--assign", assign, *RUN,
-                         *flags])
-    finally:
-        torch.set_num_threads(threads)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        losses = [row["train_loss"] for row in map(json.loads, f) if "train_loss" in row]
+    losses = train_in_process(data_dir, out_dir, "--assign", assign, *RUN, *flags)
     with open(os.path.join(out_dir, "summary.json")) as f:
         return losses, json.load(f)
 
