@@ -338,18 +338,13 @@ def sharded_line(args, world_size, ranks, fb, plan):
     from bench.memory import meta_model
     from bench.sharded_bytes import per_step
     from manifolds import ManifoldMuon, sharded
-    from manifolds.work import piece_cost
     targs = trainer_args(args)
     _, groups = meta_model(targs)
     banks = list(ManifoldMuon(groups, shard=False).banks())
     bucketed = sharded.buckets(banks, world_size)
     owners = sharded.bucket_owners(bucketed, plan, world_size)
     balance = sharded.bucket_balance(bucketed, owners, plan, world_size)
-    loads = [[0] * world_size for _ in bucketed]
-    for b, bucket in enumerate(bucketed):
-        for _, pieces in bucket:
-            for piece in pieces:
-                loads[b][owners[piece.key]] += piece_cost(piece, plan)
+    loads = sharded.bucket_loads(bucketed, owners, plan, world_size)
     compute = sum(estimate(r)["total"] - estimate(r)["all_gather"] for r in ranks)  # every rank's share, summed
     fsdp_seconds = compute * sum(max(load) for load in loads) / sum(sum(load) for load in loads)
     ddp_seconds = max(estimate(r)["total"] for r in ranks)

@@ -432,11 +432,7 @@ class ManifoldMuon(torch.optim.Optimizer):
             if name in self.last_stats:  # tensors, not floats: no device sync
                 for j, field in enumerate(STAT_FIELDS):
                     stats[i, j] = self.last_stats[name][field]
-        # the flat (world x width) form: gloo takes no stacked output
-        received = torch.empty(self.world_size * width, dtype=torch.float32, device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        handle = gather(received, send, async_op=True)
-        received = received.view(self.world_size, width)
+        received, handle = sharded.all_gather_rows(send, self.world_size, async_op=True)
         for pieces, new_W in computed:  # this rank's own pieces need not wait for the exchange
             self._write(pieces, new_W)
         handle.wait()

@@ -14,7 +14,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from manifolds.sharded import chunk_range, is_sharded, keeps_warm_start, shard_layout
+from manifolds.sharded import all_gather_rows, chunk_range, is_sharded, keeps_warm_start, shard_layout
 
 COMPONENTS = ("pieces", "owners", "buckets", "splits", "warm starts")
 
@@ -63,10 +63,7 @@ def check(components, device, group=None):
     """All-gather this rank's digests; PlanMismatch on every rank if any component differs."""
     mine = torch.tensor([digest(components[name]) for name in COMPONENTS], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
-    every = torch.empty(world * len(COMPONENTS), dtype=torch.int64, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(every, mine, group=group)
-    every = every.view(world, len(COMPONENTS)).cpu()
+    every = all_gather_rows(mine, world, group).cpu()
     differ = []
     for j, name in enumerate(COMPONENTS):
         ranks = [r for r in range(world) if every[r, j] != every[0, j]]

@@ -409,18 +409,22 @@ def bucket_owners(bucketed, plan, ranks):
     return owners
 
 
+def bucket_loads(bucketed, owners, plan, ranks):
+    """[[work.piece_cost owned by each rank] for each bucket]."""
+    loads = []
+    for bucket in bucketed:
+        loads.append([0] * ranks)
+        for _, pieces in bucket:
+            for piece in pieces:
+                loads[-1][owners[piece.key]] += piece_cost(piece, plan)
+    return loads
+
+
 def bucket_balance(bucketed, owners, plan, ranks):
     """The worst bucket's most loaded owner over its mean load (1 = every bucket balanced exactly),
     by work.piece_cost."""
-    worst = 1.0
-    for bucket in bucketed:
-        loads = [0] * ranks
-        for _, pieces in bucket:
-            for piece in pieces:
-                loads[owners[piece.key]] += piece_cost(piece, plan)
-        if sum(loads):
-            worst = max(worst, max(loads) * ranks / sum(loads))
-    return worst
+    return max([1.0] + [max(load) * ranks / sum(load) for load in bucket_loads(bucketed, owners, plan, ranks)
+                        if sum(load)])
 
 
 def shard_plan(optimizer, layout, banks):
@@ -460,10 +464,7 @@ def gather_stats(optimizer, layout, names, device):
         if name in optimizer.last_stats:
             for j, field in enumerate(STAT_FIELDS):
                 mine[i, j] = optimizer.last_stats[name][field]
-    shares = torch.empty(layout.size * mine.numel(), dtype=torch.float32, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(shares, mine.reshape(-1), group=layout.group)
-    shares = shares.view(layout.size, len(names), STATS)
+    shares = all_gather_rows(mine, layout.size, layout.group)
     largest, fallbacks = shares[..., :2].amax(dim=0), shares[..., 2].clamp_min(0).sum(dim=0)
     for i, name in enumerate(names):
         optimizer.last_stats[name] = {"iterations": largest[i, 0], "residual": largest[i, 1],
@@ -473,6 +474,16 @@ def gather_stats(optimizer, layout, names, device):
 def balanced(pieces, plan, world_size):
     owners = work.balanced_owners([piece_cost(piece, plan) for piece in pieces], world_size)
     return {piece.key: rank for piece, rank in zip(pieces, owners)}
+
+
+def all_gather_rows(tensor, size, group=None, async_op=False):
+    """Every rank's `tensor` (the same shape on each) stacked: (size, *tensor.shape), through one
+    flat all-gather (gloo takes no stacked output); with async_op, (rows, work handle)."""
+    flat = torch.empty(size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    handle = gather(flat, tensor.reshape(-1), group=group, async_op=async_op)
+    rows = flat.view((size,) + tuple(tensor.shape))
+    return (rows, handle) if async_op else rows
 
 
 def count_exchange(optimizer, in_sizes, out_sizes, me, solved=0):

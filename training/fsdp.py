@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import kernels
 from errors import UserError
+from manifolds.sharded import all_gather_rows
 
 
 def shard_model(model, device, dtype, shard_ranks=0):
@@ -64,11 +65,8 @@ def check_replicas(model):
         return 0
     group = mesh.get_group(replicated[0])
     mine = torch.stack([checksum(p.to_local()) for _, p in params])
-    replicas = mesh.size(replicated[0])
-    every = torch.empty(replicas * mine.numel(), dtype=mine.dtype, device=mine.device)  # flat: gloo's form
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(every, mine.reshape(-1), group=group)
-    differ = (every.view((replicas,) + tuple(mine.shape)) != mine).any(dim=2).any(dim=0).to(torch.int64)
+    every = all_gather_rows(mine, mesh.size(replicated[0]), group)
+    differ = (every != mine).any(dim=2).any(dim=0).to(torch.int64)
     dist.all_reduce(differ, op=dist.ReduceOp.MAX)
     if bool(differ.any()):
         names = [name for (name, _), bad in zip(params, differ.tolist()) if bad]

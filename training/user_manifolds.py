@@ -18,12 +18,12 @@ import traceback
 from errors import UserError
 from manifolds.geometry import MANIFOLDS
 
-_LOADED = {}  # what this process imported: normalised name -> module (a second import is a no-op)
+_LOADED = set()  # the entries this process imported (a second import is a no-op)
 
 
 def is_file(entry):
     """A path to a Python file (imported from there), not a dotted module name."""
-    return entry.endswith(".py") or os.sep in entry or (os.altsep or os.sep) in entry
+    return entry.endswith(".py") or os.sep in entry or bool(os.altsep and os.altsep in entry)
 
 
 def normalised(entry):
@@ -38,7 +38,8 @@ def import_manifold_modules(entries):
         entry = normalised(entry)
         if entry not in _LOADED:
             before, imported_before = set(MANIFOLDS), not is_file(entry) and entry in sys.modules
-            _LOADED[entry] = load(entry)
+            load(entry)
+            _LOADED.add(entry)
             if set(MANIFOLDS) == before and not imported_before:
                 raise UserError(f"--manifold-module {entry}: importing it registered no manifold "
                                 "(call manifolds.register_manifold(MyManifold()) at its top level)")
@@ -48,32 +49,30 @@ def import_manifold_modules(entries):
 
 
 def load(entry):
-    """The imported module of one entry; a UserError names a missing or broken one."""
+    """Import one entry (a file by its path, else a module by its name); a UserError names a missing
+    or broken one."""
     if is_file(entry):
         if not os.path.isfile(entry):
             raise UserError(f"--manifold-module {entry}: no such file")
         # a name of its own per path, so that two files called manifolds.py do not collide
         name = "user_manifold_" + "".join(c if c.isalnum() else "_" for c in entry)
         spec = importlib.util.spec_from_file_location(name, entry)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
         run = lambda: spec.loader.exec_module(module)  # noqa: E731
     else:
         if importlib.util.find_spec(entry.split(".")[0]) is None:
             raise UserError(f"--manifold-module {entry}: no module of that name on the Python path "
                             "(pass a file path such as ./my_manifold.py, or set PYTHONPATH)")
-        module, run = None, lambda: importlib.import_module(entry)  # noqa: E731
+        name, run = None, lambda: importlib.import_module(entry)  # noqa: E731
     try:
-        imported = run()
+        run()
     except UserError:
         raise
     except Exception as err:  # its own error, with the line in its file that raised it
         frame = traceback.extract_tb(err.__traceback__)[-1]
-        if is_file(entry):
-            sys.modules.pop(name, None)
+        sys.modules.pop(name, None)
         raise UserError(f"--manifold-module {entry} failed to import: {type(err).__name__}: {err} "
                         f"({frame.filename}, line {frame.lineno})") from None
-    return module if module is not None else imported
 
 
 def saved_manifold_modules(args):
