@@ -354,25 +354,32 @@ def test_autotuned_gpu_kernels_agree_with_torch(dtype, rel):
         assert max_error(fused, reference) <= rel / 5 * float(reference.abs().max())
 
 
+def tuned_symmetric_gram(monkeypatch, do_bench):
+    """([tile widths the autotuner's trials ran], tuner): symmetric_gram autotuned between tiles of 32
+    and 64 with this benchmark, for every problem size, from an empty choice cache."""
+    ran = []
+    record = lambda nargs: ran.append(nargs["BLOCK"])  # noqa: E731
+    configs = [triton.Config({"BLOCK": 32, "BLOCK_K": 32}, pre_hook=record),
+               triton.Config({"BLOCK": 64, "BLOCK_K": 32}, pre_hook=record)]
+    timed = lambda kernel_call, quantiles: do_bench(ran, kernel_call, quantiles)  # noqa: E731
+    tuner = products_triton.make_tuner("symmetric_gram", configs, do_bench=timed)
+    monkeypatch.setitem(products_triton._tuners, "symmetric_gram", tuner)
+    monkeypatch.setattr(products_triton, "_chosen", {})
+    monkeypatch.setattr(products_triton, "SMALL_PROBLEM", 0)  # every size goes to the tuner
+    return ran, tuner
+
+
 def test_autotuned_sumsq_counts_only_the_tiles_of_the_configuration_that_ran(monkeypatch):
     # symmetric_gram's partial ||H||^2 buffer has one slot per upper tile of the narrowest
     # tiling, and every autotuning trial fills the slots of its own tiling. When a wider tiling
     # (fewer slots) wins, slots past its own may still hold a narrower trial's shares. This
     # drives the real triton.autotune machinery (in the interpreter on a CPU) into that case:
     # two tile widths, and a benchmark that runs each trial and makes the wider one win.
-    ran = []
-    record = lambda nargs: ran.append(nargs["BLOCK"])  # noqa: E731
-    configs = [triton.Config({"BLOCK": 32, "BLOCK_K": 32}, pre_hook=record),
-               triton.Config({"BLOCK": 64, "BLOCK_K": 32}, pre_hook=record)]
-
-    def do_bench(kernel_call, quantiles):
+    def do_bench(ran, kernel_call, quantiles):
         kernel_call()
         return [1.0 if ran[-1] == 64 else 2.0] * len(quantiles)
 
-    tuner = products_triton.make_tuner("symmetric_gram", configs, do_bench=do_bench)
-    monkeypatch.setitem(products_triton._tuners, "symmetric_gram", tuner)
-    monkeypatch.setattr(products_triton, "_chosen", {})
-    monkeypatch.setattr(products_triton, "SMALL_PROBLEM", 0)  # every size goes to the tuner
+    ran, tuner = tuned_symmetric_gram(monkeypatch, do_bench)
     X, Y = randn(2, 40, 150), randn(2, 40, 150, seed=1)  # 15 tiles of 32, 6 of 64
     H, sumsq = products_triton.symmetric_gram(X, Y, zero_diagonal=True, want_sumsq=True)
     assert ran == [32, 64, 64] and tuner.best_config.kwargs["BLOCK"] == 64  # two trials, the winner
@@ -387,18 +394,10 @@ def test_tiles_by_rule_take_the_first_kept_configuration_without_timing(monkeypa
     # HSDP replicas each solve every matrix: a tile chosen by each process's own timing could
     # differ between them and round differently. By rule, the first configuration the pruning
     # keeps runs, and no trial is timed.
-    ran = []
-    record = lambda nargs: ran.append(nargs["BLOCK"])  # noqa: E731
-    configs = [triton.Config({"BLOCK": 32, "BLOCK_K": 32}, pre_hook=record),
-               triton.Config({"BLOCK": 64, "BLOCK_K": 32}, pre_hook=record)]
-
-    def do_bench(kernel_call, quantiles):
+    def do_bench(ran, kernel_call, quantiles):
         raise AssertionError("timed a trial")
 
-    monkeypatch.setitem(products_triton._tuners, "symmetric_gram",
-                        products_triton.make_tuner("symmetric_gram", configs, do_bench=do_bench))
-    monkeypatch.setattr(products_triton, "_chosen", {})
-    monkeypatch.setattr(products_triton, "SMALL_PROBLEM", 0)
+    ran, _ = tuned_symmetric_gram(monkeypatch, do_bench)
     monkeypatch.setattr(products_triton, "TILES_BY_RULE", False)
     kernels.tiles_by_rule()
     X, Y = randn(2, 40, 150), randn(2, 40, 150, seed=1)
