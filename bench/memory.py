@@ -26,6 +26,7 @@ that rank: they must agree. The last line: FSDP's bytes per rank over DDP's, GPT
 """
 import argparse
 import datetime
+import gc
 import multiprocessing
 import os
 import sys
@@ -160,6 +161,9 @@ def live_rank(rank, world, store, out, flags, fsdp):
         muon.step()  # gradients kept: counted as held during the step
         torch.save(live_bytes(model, muon, adamw), out)
     finally:
+        # FSDP2's modules and collectives sit in reference cycles: freed while the group can still
+        # finish them, not at interpreter shutdown (train_gpt2.main does the same)
+        gc.collect()
         dist.destroy_process_group()
 
 

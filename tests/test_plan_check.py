@@ -75,8 +75,16 @@ WORKER = textwrap.dedent('''
             step()
     except PlanMismatch as error:
         open(out, "w").write(str(error))
-        sys.exit(3)
-    sys.exit(0)
+        code = 3
+    else:
+        code = 0
+    # FSDP2's modules and collectives sit in reference cycles: freed now, while the group can finish
+    # them (at interpreter shutdown a gloo thread ending mid-cleanup aborts: train_gpt2.main does the same)
+    import gc
+    del model, opt
+    gc.collect()
+    dist.destroy_process_group()
+    sys.exit(code)
 ''')
 
 
