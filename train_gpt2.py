@@ -223,7 +223,7 @@ def add_solver_flags(v):
                    help="set one solver option, for experiments and sweeps (repeat the flag for several; "
                         "the defaults are what runs). Keys and defaults: "
                         + ", ".join(f"{key}={show_value(value)}" for key, value in solver_opt_defaults().items())
-                        + ". scheme=online (one dual step per training step) reads dual_step; scheme=admm reads "
+                        + ". scheme=online (one dual step per training step) reads dual_step and stiefel_dual_step; scheme=admm reads "
                           "iterations, pullbacks, rho, rho_warm, rho_growth, warm_average, relax and tol "
                           "(docs/solver-tuning.md)")
 

@@ -77,7 +77,7 @@ RATE_OF = {"triton:bf16": "bf16_flops", "bf16": "bf16_flops", "triton:tf32": "tf
 FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)
 # What SolverOptions' "auto" resolves to on a GPU where this CPU would choose otherwise
 # (manifolds/plan.py: eigh and the syncing step on a CPU); --solver-precision's default is the third
-GPU_SOLVER_OPTS = ("clip=polynomial", "capturable=on")
+GPU_SOLVER_OPTS = ("clip=polynomial", "capturable=on", "exchange_grad=bf16")  # what auto picks on a GPU
 
 
 MODEL_SHAPES = {"gpt2": (12, 768), "gpt2-medium": (24, 1024), "gpt2-large": (36, 1280), "gpt2-xl": (48, 1600)}
@@ -348,7 +348,9 @@ def sharded_line(args, world_size, ranks, fb, plan):
     compute = sum(estimate(r)["total"] - estimate(r)["all_gather"] for r in ranks)  # every rank's share, summed
     fsdp_seconds = compute * sum(max(load) for load in loads) / sum(sum(load) for load in loads)
     ddp_seconds = max(estimate(r)["total"] for r in ranks)
-    received = per_step(targs.n_layer, targs.n_embd, dict(targs.assignment), world_size)["manifold_muon"]
+    # a steady step: G in the plan's wire dtype out, W and Lambda back (sharded.py)
+    received = per_step(targs.n_layer, targs.n_embd, dict(targs.assignment), world_size,
+                        plan.grad_wire_dtype.itemsize, plan.options.resident)["manifold_muon"]
     line = {"bucket_balance": balance, "buckets": len(bucketed), "bytes_per_rank": received,
             "optimizer_seconds": fsdp_seconds, "ratio": fsdp_seconds / fb["seconds"],
             "ddp_ratio": ddp_seconds / fb["seconds"]}

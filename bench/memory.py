@@ -6,7 +6,8 @@
 
 COUNTED from the tensors of the trainer's own model and optimizer groups built on the meta device
 (no memory allocated): each parameter's fp32 master weight and gradient, AdamW's two moments, and
-ManifoldMuon's momentum and dual warm starts, on the rank that holds them:
+ManifoldMuon's momentum and dual warm starts, on the rank that holds them (under --fsdp also the
+resident copies of the whole W and warm start of each piece a rank owns, manifolds/sharded.py):
   * DDP: every rank holds every parameter and gradient (and DDP's gradient buckets, as many bytes
     again), AdamW's state of every parameter, and ManifoldMuon's state of the matrices it owns
     (work.balanced_owners); in flight, the step's flat all-gather of the new weights.
@@ -15,7 +16,8 @@ ManifoldMuon's momentum and dual warm starts, on the rank that holds them:
     transients): two blocks' gathered parameters (the one computing and the one prefetched, bf16 as
     on a GPU) and one block's unsharded fp32 gradients, and the optimizer exchange of the largest
     bucket (sharded.EXCHANGE_BUCKET) at its most loaded owner: what it receives, the assembled whole
-    matrices and what it sends back, 3 (2 |W| + |Lambda|) fp32. With gradient accumulation (the
+    matrices, what it sends and receives back, and the next bucket's out exchange in flight
+    (exchange_held; a one-step --live run measures the same buffers: equal). With gradient accumulation (the
     trainer's total batch of 64 sequences, 8 per rank: 8 micro-steps on 1 rank, 1 on 8) and
     --fsdp-grad-sync last, the whole model's unsharded fp32 gradients wait on every rank for the
     last micro-step: the "accumulation" column (every, the default: 0, the shards accumulate).
@@ -73,7 +75,7 @@ def count(args, world, fsdp):
     """{category: bytes} of the most loaded rank, with DDP's gradient buckets and "in_flight"."""
     worst = max((counted_rank(args, world, rank, fsdp) for rank in range(world)), key=lambda h: sum(h.values()))
     model, groups = meta_model(args)
-    muon = ManifoldMuon(groups, shard=False)
+    muon = ManifoldMuon(groups, shard=False, exchange_grad="bf16")  # G on the wire as a GPU sends it
     muon.world_size = world
     # DDP's reducer keeps its own copy of every gradient in its buckets
     worst["grad_buckets"] = 0 if fsdp or world == 1 else worst["gradients"]
@@ -90,16 +92,56 @@ def in_flight(model, muon, world, fsdp):
     if not fsdp:  # the all-gather of the new weights: every rank's padded share, fp32
         return muon.all_gather_elements() * FP32 if world > 1 else 0
     block = sum(p.numel() for p in model.blocks[0].parameters())
-    bucketed = sharded.buckets([(name, pieces) for name, pieces in muon.banks()], world)
-    owners = sharded.bucket_owners(bucketed, muon.plan, world)
-    exchange = 0
-    for bucket in bucketed:
-        for rank in range(world):
-            whole = sum(2 * (piece.hi - piece.lo) * piece.param.size(1)
-                        + (warm_shape(piece)[0] ** 2 if keeps_warm_start(piece, muon.options) else 0)
-                        for _, pieces in bucket for piece in pieces if owners[piece.key] == rank)
-            exchange = max(exchange, 3 * whole * FP32)  # received, assembled, sent back
+    exchange = max(exchange_held(muon, world, rank) for rank in range(world))
     return 2 * block * BF16 + block * FP32 + exchange
+
+
+def exchange_held(muon, world, rank, warm=True, resident=False):
+    """The most bytes of the sharded exchange's buffers that `rank` holds at once (what
+    sharded.step_shard_group measures as exchange_counts["held"]), from the shapes: for a bucket,
+    what its owner received and the pieces assembled from it, or those pieces and what it sends
+    and receives back, whichever is more, and,
+    with overlap, the next bucket's out exchange in flight (sent and received). The worst step by
+    default: warm starts travel, nothing resident (the step after a resume)."""
+    grad = muon.plan.grad_wire_dtype.itemsize
+    bucketed = sharded.buckets(list(muon.banks()), world)
+    owners = sharded.bucket_owners(bucketed, muon.plan, world)
+
+    def parts(piece, s, out):
+        """(bytes of rank s's part of piece out to its owner, or back from it)."""
+        lo, hi = chunk_range(piece.param.size(0), world, s)
+        box = max(0, min(hi, piece.hi) - max(lo, piece.lo)) * piece.param.size(1)
+        keeps = keeps_warm_start(piece, muon.options)
+        q = warm_shape(piece)[0]
+        dual = (lambda r: r[1] - r[0])(chunk_range(q, world, s)) * q if keeps else 0
+        if not out:
+            return FP32 * (box + dual)
+        sent_again = not resident
+        return (sharded.wire_bytes(box, torch.float32) if sent_again else 0) + sharded.wire_bytes(
+            box, muon.plan.grad_wire_dtype) + (FP32 * dual if warm and keeps and sent_again else 0)
+
+    def out_received(bucket):
+        return sum(parts(piece, s, True) for _, pieces in bucket for piece in pieces
+                   if owners[piece.key] == rank for s in range(world))
+
+    def out_sent(bucket):
+        return sum(parts(piece, rank, True) for _, pieces in bucket for piece in pieces)
+
+    held = 0
+    for index, bucket in enumerate(bucketed):
+        mine = [piece for _, pieces in bucket for piece in pieces if owners[piece.key] == rank]
+        numel = lambda piece: (piece.hi - piece.lo) * piece.param.size(1)  # noqa: E731
+        dual = lambda piece: warm_shape(piece)[0] ** 2 if keeps_warm_start(piece, muon.options) else 0  # noqa: E731
+        assembled = sum(FP32 * numel(piece) * (1 if resident else 2) + (FP32 * dual(piece) if warm and not resident
+                                                                         else 0) for piece in mine)
+        back_sent = sum(FP32 * (numel(piece) + dual(piece)) for piece in mine)
+        back_received = sum(parts(piece, rank, False) for _, pieces in bucket for piece in pieces)
+        # the received bytes are freed once assembled (sharded.ShardedStep.finish)
+        total = max(out_received(bucket) + assembled, assembled + back_sent + back_received)
+        if index + 1 < len(bucketed) and muon.options.overlap:
+            total += out_sent(bucketed[index + 1]) + out_received(bucketed[index + 1])
+        held = max(held, total)
+    return held
 
 
 def report(presets, ranks, *flags):
@@ -134,7 +176,10 @@ def live_bytes(model, muon, adamw):
             "adamw": sum(size(v) for state in adamw.state.values() for k, v in state.items()
                          if k in ("exp_avg", "exp_avg_sq")),
             "manifold_muon": sum(size(v) for state in muon.state.values() for k, v in state.items()
-                                 if k == "momentum_buffer" or k.startswith("dual"))}
+                                 if k == "momentum_buffer" or k.startswith("dual"))
+            + sum(size(t) for copies in muon.resident_cache.values() for t in copies if t is not None),
+            # not a category: the sharded exchange's buffers at their most (exchange_held counts them)
+            "exchange_held": muon.exchange_counts.get("held", 0)}
     return held
 
 
@@ -199,6 +244,13 @@ def live(flags, world=2):
     return measured
 
 
+def first_step_exchange(args, world, rank):
+    """exchange_held of the first step of a run (no warm start travels, nothing resident), as the
+    live step measures it."""
+    _, groups = meta_model(args)
+    return exchange_held(ManifoldMuon(groups, shard=False), world, rank, warm=False)
+
+
 def counted_rank(args, world, rank, fsdp):
     """{category: bytes} that rank `rank` of `world` holds, counted on the meta device."""
     model, groups = meta_model(args)
@@ -220,7 +272,22 @@ def counted_rank(args, world, rank, fsdp):
             q = warm_shape(piece)[0]
             lo, hi = chunk_range(q, world, rank) if fsdp else (0, q)
             held["manifold_muon"] += FP32 * (hi - lo) * q
+    if fsdp and muon.options.resident:  # the owner's resident W and Lambda (sharded.py)
+        held["manifold_muon"] += FP32 * sum(resident_numel(piece, muon.options) for piece in owned_shards(muon, world, rank))
     return held
+
+
+def owned_shards(muon, world, rank):
+    """The pieces `rank` owns in the sharded step (sharded.shard_plan's owners)."""
+    bucketed = sharded.buckets(list(muon.banks()), world)
+    owners = sharded.bucket_owners(bucketed, muon.plan, world)
+    return [piece for _, pieces in muon.banks() for piece in pieces if owners[piece.key] == rank]
+
+
+def resident_numel(piece, options):
+    """Elements of a piece's resident copies at its owner: its whole W, and its warm start."""
+    return (piece.hi - piece.lo) * piece.param.size(1) + (warm_shape(piece)[0] ** 2
+                                                            if keeps_warm_start(piece, options) else 0)
 
 
 def main(argv=None):
@@ -247,10 +314,12 @@ def main(argv=None):
         print(f"LIVE, 2 gloo ranks, one step of {' '.join(shown)}: bytes held, measured / counted")
         for (fsdp, rank), held in sorted(live(flags).items()):
             expected = counted_rank(trainer, 2, rank, fsdp)
-            same = all(held[c] == expected[c] for c in CATEGORIES)
+            expected["exchange_held"] = first_step_exchange(trainer, 2, rank) if fsdp else 0
+            shown = CATEGORIES + (("exchange_held",) if fsdp else ())
+            same = all(held[c] == expected[c] for c in shown)
             agree &= same
             print(f"  {'fsdp' if fsdp else 'ddp ':4} rank {rank}: " + ", ".join(
-                f"{c} {held[c]:,} / {expected[c]:,}" for c in CATEGORIES) + ("" if same else "  MISMATCH"))
+                f"{c} {held[c]:,} / {expected[c]:,}" for c in shown) + ("" if same else "  MISMATCH"))
         print(f"live measurement {'agrees with' if agree else 'DIFFERS from'} the count")
     if totals:
         ratio = totals["gpt2-xl", 8, True] / totals["gpt2-xl", 8, False]

@@ -2,16 +2,21 @@
 
     python -m bench.sharded_bytes                      # GPT-2 small to XL, hetero, 8 ranks
     python -m bench.sharded_bytes --ranks 16 --assign all-dgram
+    python -m bench.sharded_bytes --grad-wire fp32 --no-resident   # the exchange before issue 50
 
 Per rank and step, in bytes received (what sets a ring collective's time; sent is the same):
   * FSDP2 (fully_shard, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), resharded
     after forward): two all-gathers of every parameter in bf16 (forward, backward) and one
     reduce-scatter of the gradients in fp32: (P-1)/P N (2 + 2 + 4) bytes;
-  * ManifoldMuon's exchange (manifolds/sharded.py), fp32: out, a rank receives the parts of W, G
-    and the dual warm start Lambda of the pieces it owns from the P-1 others; back, it receives
-    its parts of the new W and Lambda of the pieces others own: (P-1)/P^2 (3 |W| + 2 |Lambda|)
-    summed over the matrices, where |Lambda| = q^2 for a piece that keeps a warm start (ADMM)
-    and 0 for plain Muon and the exact square Stiefel step;
+  * ManifoldMuon's exchange (manifolds/sharded.py): out, a rank receives the parts of G of the
+    pieces it owns from the P-1 others (g bytes an element: 2 in bf16, a GPU's default, 4 in
+    fp32), and of W and the dual warm start Lambda only where the owner holds no resident copy
+    from the last step (the first step, after a load, a weight changed outside the step); back,
+    it receives its parts of the new W and Lambda of the pieces others own, fp32. Per step with
+    resident copies (the default): (P-1)/P^2 ((g + 4) |W| + 4 |Lambda|) summed over the
+    matrices; without them (--no-resident, or a step that resends): (P-1)/P^2 ((g + 8) |W| +
+    8 |Lambda|); |Lambda| = q^2 for a piece that keeps a warm start and 0 for plain Muon and the
+    exact square Stiefel step;
   * for scale, what gathering every matrix on every rank would take (the replicated path's
     all-gather, fp32): (P-1)/P sum |W|.
 Evenly balanced owners and evenly split rows are assumed (the real split is within a row per
@@ -35,8 +40,9 @@ def dual_elements(manifold, rows, cols):
     return min(rows, cols) ** 2
 
 
-def per_step(n_layer, d, assignment, ranks):
-    """{what: bytes received per rank and step}."""
+def per_step(n_layer, d, assignment, ranks, grad_bytes=2, resident=True):
+    """{what: bytes received per rank and step}; grad_bytes: G's bytes an element on the wire;
+    resident: the owners hold W and Lambda from the last step (a steady step)."""
     matrices = duals = 0
     for key, shape in SHAPES.items():
         rows, cols = shape(d)
@@ -47,7 +53,8 @@ def per_step(n_layer, d, assignment, ranks):
     spread = (ranks - 1) / ranks
     return {"parameters": everything,
             "fsdp": spread * everything * (2 + 2 + 4),
-            "manifold_muon": spread / ranks * (3 * matrices + 2 * duals) * 4,
+            "manifold_muon": spread / ranks * ((grad_bytes + (4 if resident else 8)) * matrices
+                                               + (4 if resident else 8) * duals),
             "gather_every_matrix": spread * matrices * 4}
 
 
@@ -55,12 +62,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=8, help="ranks of the shard group")
     parser.add_argument("--assign", default="hetero", help="manifold assignment (train_gpt2.py --assign)")
+    parser.add_argument("--grad-wire", choices=("bf16", "fp32"), default="bf16",
+                        help="G's dtype on the exchange's wire (--solver-opt exchange_grad; bf16 is a GPU's default)")
+    parser.add_argument("--no-resident", action="store_true",
+                        help="owners without resident copies (--solver-opt resident=off): W and Lambda sent out "
+                             "every step")
     args = parser.parse_args(argv)
     assignment = dict(parse_assignment(args.assign))
-    print(f"ESTIMATE from shapes, {args.ranks} ranks, --assign {args.assign}; MB received per rank and step")
+    grad_bytes = 2 if args.grad_wire == "bf16" else 4
+    print(f"ESTIMATE from shapes, {args.ranks} ranks, --assign {args.assign}, G in {args.grad_wire}, "
+          f"{'no ' if args.no_resident else ''}resident copies; MB received per rank and step")
     print(f"{'model':8} {'params':>8} {'FSDP ag+rs':>11} {'ManifoldMuon':>13} {'ratio':>6} {'gather all W':>13}")
     for name, (n_layer, d) in MODELS.items():
-        b = per_step(n_layer, d, assignment, args.ranks)
+        b = per_step(n_layer, d, assignment, args.ranks, grad_bytes, not args.no_resident)
         print(f"{name:8} {b['parameters'] / 1e6:7.0f}M {b['fsdp'] / 1e6:11.0f} {b['manifold_muon'] / 1e6:13.0f} "
               f"{b['manifold_muon'] / b['fsdp']:6.1%} {b['gather_every_matrix'] / 1e6:13.0f}")
 

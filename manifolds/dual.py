@@ -279,7 +279,7 @@ def online_iterations(problem, G, correction, plan):
         A = polar(X, plan)
         M = problem.multiplier(A)
         rms = (X.square().sum(dim=(-2, -1)) / q).sqrt()[..., None, None]
-        step = (0.5 * plan.options.dual_step) * rms
+        step = (0.5 * getattr(plan.options, geo.online_dual_option)) * rms
         if geo.secant_dual and previous is not None:
             dC, dM = C - previous[0], M - previous[1]
             secant = (dC * dM).sum(dim=(-2, -1), keepdim=True) / dM.square().sum(dim=(-2, -1), keepdim=True).clamp_min(

@@ -99,6 +99,7 @@ class Manifold:
     # multiplier is one number per matrix (then the steps after the first are secant steps)
     online_steps = 1
     secant_dual = False
+    online_dual_option = "dual_step"  # the SolverOptions field holding its dual step (0: no dual, C stays 0)
     polar_retraction = True  # its retraction takes a polar factor (rank balancing prices it: manifolds/work.py)
     options = ()           # the group options it reads (`configured`), which its groups carry
 
@@ -165,6 +166,10 @@ class Stiefel(Manifold):
     name = kernel_name = "stiefel"
     orthogonal_columns = True
     exact_square_step = True  # square: A* = W msign(skew(W^T G)) in closed form
+    # online scheme: its own dual step (stiefel_dual_step); without one (0) the sign of Proj_T(G),
+    # projected, is closer to the optimum on recorded GPT-2 momenta, yet trains no better
+    # (docs/solver-tuning.md, "Stiefel without a dual step")
+    online_dual_option = "stiefel_dual_step"
 
     def gram_mask(self, q, device):
         return torch.ones(q, q, dtype=torch.bool, device=device)

@@ -142,6 +142,9 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.options = SolverOptions.from_kwargs(**solver_opts)
         self._unprojected = []  # frozen matrices not yet checked against their manifold (add_param_group)
         self._plan_checked = False  # plan_check at the next step (also after a load or new groups)
+        # the sharded step's resident copies (sharded.resident_valid): {piece.key: (owner, this rank's
+        # shard version)} after each step, and each owner's {piece.key: (W, warm start)}
+        self.resident_record, self.resident_cache = {}, {}
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         manifold=manifold, blocks=None, dgram_cap=dgram_cap, algorithm="muon")
         super().__init__(params, defaults)
@@ -156,7 +159,8 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     # what torch.optim.Optimizer pickles (defaults, state, param_groups), and the rest of ours, so
     # that copy.deepcopy and pickle give a working optimizer
-    OWN_ATTRIBUTES = ("options", "plan", "world_size", "rank", "last_stats", "_unprojected", "_plan_checked")
+    OWN_ATTRIBUTES = ("options", "plan", "world_size", "rank", "last_stats", "_unprojected", "_plan_checked",
+                      "resident_record", "resident_cache")
 
     def __getstate__(self):
         return {**super().__getstate__(), **{k: self.__dict__[k] for k in self.OWN_ATTRIBUTES}}
@@ -171,6 +175,8 @@ class ManifoldMuon(torch.optim.Optimizer):
             param_group = {**ADAMW_DEFAULTS, **param_group}
         super().add_param_group(param_group)
         self._plan_checked = False
+        if hasattr(self, "resident_record"):
+            self.weights_changed()
         group = self.param_groups[-1]
         if algorithm == "adamw":
             if hasattr(self, "plan"):  # at construction: once the plan is known (__init__)
@@ -602,7 +608,16 @@ class ManifoldMuon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         self._plan_checked = False  # a resume: the warm-start flags come from the loaded state
+        self.weights_changed()  # the owners' warm starts are the loaded ones now
         self._drop_unowned()
+
+    def weights_changed(self):
+        """Forget the owners' resident copies of sharded matrices (manifolds/sharded.py): the next
+        step sends every W and warm start again. Needed only where the sharded weights or warm
+        starts changed without their version counters moving (an in-place change moves them, and
+        the step notices); called by load_state_dict and add_param_group. Call it on every rank."""
+        self.resident_record.clear()
+        self.resident_cache.clear()
 
     def _drop_unowned(self):
         pieces = self.owned_pieces()
@@ -629,6 +644,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         old_pieces = {(id(pc.param), pc.dual_key): pc.manifold for pc in self.pieces()}
         by_param = {id(p): old[i] for i, p in enumerate(old_params) if i in old}
         self.param_groups = []
+        self.weights_changed()
         for group in param_groups:
             self.add_param_group(group)
         if {id(p) for g in self.param_groups for p in g["params"]} != {id(p) for p in old_params}:

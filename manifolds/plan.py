@@ -23,6 +23,7 @@ PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 CAPTURABLE = ("auto", True, False)
 SOLVERS = ("fast", "reference")
 SCHEMES = ("online", "admm")
+WIRE_DTYPES = ("auto", "fp32", "bf16")
 
 # Fixed budgets (not settings: no experiment moves them)
 MUON_STEPS = (5, 0)  # plain Muon's msign, as the field runs it: 5 Polar Express steps, no polish,
@@ -39,6 +40,7 @@ RHO_MAX = 10.0       # the warm penalty's growth stops here (relative to ||Proj_
 class SolverOptions:
     scheme: str = "online"     # online: one dual step per training step; admm: ADMM to the budget below
     dual_step: float = 0.25    # online: the dual step, as a fraction of its Newton estimate
+    stiefel_dual_step: float = 0.25  # online: the same for (non-square) Stiefel matrices; 0: no dual step
     iterations: int = 3        # ADMM iterations from a warm start; x2 cold, x2 again for rows < 2 cols
     pullbacks: int = 2         # rounds of B <- Proj_T(pull_back(B)) on ADMM's answer
     rho: float = 0.5           # ADMM penalty from a cold start, relative to ||Proj_T G||_op
@@ -52,12 +54,21 @@ class SolverOptions:
     capturable: object = "auto"  # no host syncs (fixed budgets); auto: on CUDA
     backend: str = "auto"      # kernels: triton, torch, or auto (triton on CUDA)
     solver: str = "fast"       # fast (this plan), or reference: manifolds/reference.py, exact SVDs, slow
+    # the sharded step (manifolds/sharded.py): owners keep each piece's fp32 W and Lambda between
+    # steps, so that only G travels to them; G's dtype on that wire (auto: bf16 on CUDA)
+    resident: bool = True
+    exchange_grad: str = "auto"
+    overlap: bool = True       # ... and the next bucket's out exchange in flight while one solves
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
             raise ValueError(f"unknown solver scheme {self.scheme!r}; valid: {', '.join(SCHEMES)}")
         if not 0 < self.dual_step <= 2:
             raise ValueError(f"dual_step must lie in (0, 2]; got {self.dual_step}")
+        if not 0 <= self.stiefel_dual_step <= 2:
+            raise ValueError(f"stiefel_dual_step must lie in [0, 2]; got {self.stiefel_dual_step}")
+        if self.exchange_grad not in WIRE_DTYPES:
+            raise ValueError(f"unknown exchange_grad {self.exchange_grad!r}; valid: {', '.join(WIRE_DTYPES)}")
         if self.solver not in SOLVERS:
             raise ValueError(f"unknown solver {self.solver!r}; valid: {', '.join(SOLVERS)}")
         if self.clip not in CLIPS:
@@ -137,6 +148,7 @@ class SolverPlan:
                          # the last reaches an accuracy such products cannot hold)
     polar_steps: int     # POLAR_SCHEDULE steps of ADMM's starting polar factor (all, at every precision)
     exact_sign: tuple    # square Stiefel's msign: ("minimax", 7) at TF32, else ("polar-express", 5 + 2)
+    grad_wire: str = "float32"  # the sharded exchange's dtype for G ("bfloat16": exchange_grad bf16)
 
     @property
     def tf32(self):
@@ -145,6 +157,10 @@ class SolverPlan:
     @property
     def sign_torch_dtype(self):
         return getattr(torch, self.sign_dtype)
+
+    @property
+    def grad_wire_dtype(self):
+        return getattr(torch, self.grad_wire)
 
     def as_dict(self):
         """A JSON-able record (config.json's "solver")."""
@@ -166,7 +182,7 @@ class SolverPlan:
         return (f"solver on {self.device}: kernels {self.backend}, clip {self.clip}, iterations {self.precision}{sign}, "
                 f"square stiefel exact ({self.exact_sign[0]} {self.exact_sign[1]}), "
                 f"capturable {'on' if self.capturable else 'off'}; " + (
-                    f"online dual: 1 sign per warm step / {ONLINE_COLD} cold, dual step {o.dual_step}"
+                    f"online dual: 1 sign per warm step / {ONLINE_COLD} cold, dual step {o.dual_step} (stiefel {o.stiefel_dual_step})"
                     if o.scheme == "online" else
                     f"ADMM {o.iterations} warm / {2 * o.iterations} cold "
                     f"(x2 near-square), pullbacks {o.pullbacks}, rho {o.rho} / {o.rho_warm} x{o.rho_growth}, "
@@ -200,7 +216,10 @@ def plan_for(options, device, dtype=torch.float32):
             raise ValueError("the reference solver reads values on the host: it cannot be capturable")
         capturable = False
     exact_sign = ("minimax", len(EXACT_SCHEDULE)) if precision == "tf32" else ("polar-express", sum(EXACT_PE_STEPS))
+    # bf16 G halves the out exchange; its rounding (2^-9 relative) is below what the bf16 signs of a
+    # GPU's step already round (docs/distributed.md)
+    bf16_wire = options.exchange_grad == "bf16" or (options.exchange_grad == "auto" and cuda)
     return SolverPlan(options=options, device=device.type, backend=backend, clip=clip, precision=precision,
                       sign_dtype="float32" if full else "bfloat16", capturable=bool(capturable),
                       clip_steps=len(CLIP_SCHEDULE) - (0 if full else 1), polar_steps=len(POLAR_SCHEDULE),
-                      exact_sign=exact_sign)
+                      exact_sign=exact_sign, grad_wire="bfloat16" if bf16_wire else "float32")

@@ -9,28 +9,35 @@ work.piece_cost, as under DDP), and one step is
 
   1. momentum on the local shards: buf <- mu buf + g, G = g + mu buf (the state "momentum_buffer"
      is a DTensor in the parameter's layout, so it shards, saves and reshards with it);
-  2. out, one all_to_all_single: each rank sends its part of every piece's W (fp32) and G, and of
-     its dual warm start Lambda (q x q, a DTensor split on rows) when it has one, to the owner;
+  2. out, one all_to_all_single: each rank sends its part of every piece's G to the owner (in the
+     plan's wire dtype: bf16 on a GPU, fp32 elsewhere; SolverOptions.exchange_grad), and of W (fp32)
+     and its dual warm start Lambda (q x q, a DTensor split on rows) only where the owner holds
+     no resident copy of them from the last step (resident_valid: the first step, after a load
+     or new groups, a weight changed outside the step; SolverOptions.resident);
   3. the owners assemble their pieces and solve each bank's share in one batched call, exactly as
-     one process does (optimizer._step_banks);
-  4. back, one all_to_all_single: each rank receives its part of every new W and new Lambda and
-     writes it in place into its local shard (FSDP's sharded storage).
+     one process does (optimizer._step_banks), and keep the new W and Lambda as resident copies;
+  4. back, one all_to_all_single: each rank receives its part of every new W and new Lambda (fp32)
+     and writes it in place into its local shard (FSDP's sharded storage), so that the shards,
+     and the checkpoints made from them, always hold the current values.
 
 No rank gathers every matrix. Steps 2-4 run per bucket of pieces (`buckets`, EXCHANGE_BUCKET
-elements of W per rank), so that an owner holds one bucket's matrices whole at a time, not all of
+elements of W per rank), the next bucket's step 2 in flight while one solves
+(SolverOptions.overlap), so that an owner holds one bucket's matrices whole at a time, not all of
 its own: two collectives per bucket (GPT-2 small on 8 ranks: one bucket; XL: 16), their number
 and sizes fixed by the shapes, not by the data; each bucket's owners balanced on their own
 (`buckets`, `bucket_owners`). Per step and rank, summed over the matrices with balanced owners,
-the out exchange moves about (2 |W| + |Lambda|) (P-1)/P^2 elements and the back exchange
-(|W| + |Lambda|) (P-1)/P^2, each as much sent as received, where |Lambda| = q^2 (0 for plain Muon,
-the exact square Stiefel step and the reference solver, which keep no warm start): 3/P of one
-fp32 all-gather of W both ways when Lambda is small, as for MLP matrices (q^2 = |W|/4).
-`optimizer.exchange_counts` counts what a step sent and received.
+a steady step receives about (P-1)/P^2 (g |W|) out and (P-1)/P^2 4 (|W| + |Lambda|) back, in
+bytes, g = 2 for bf16 G, where |Lambda| = q^2 (0 for plain Muon, the exact square Stiefel step
+and the reference solver, which keep no warm start); a step that sends W and Lambda again adds
+(P-1)/P^2 4 (|W| + |Lambda|) out. For GPT-2 XL hetero at 8 ranks that is 1.13 GB a step against
+2.26 GB with W, G and Lambda all sent in fp32 every step (bench/sharded_bytes.py).
+The parts travel as bytes (`exchange`), each padded to 4. `optimizer.exchange_counts` counts
+what a step sent and received.
 
 Parts are rectangles: rank r holds rows (or columns) torch.chunk-wise, ceil(n/P) each, the last
 ranks fewer or none (FSDP2's split); a piece [lo, hi) x all columns meets it in a rectangle,
-possibly empty. Every rank computes every size from the shapes alone, so the exchange needs no
-size handshake.
+possibly empty. Every rank computes every size from the shapes and the resident flags alone
+(the same on every rank), so the exchange needs no size handshake.
 
 State kept for each sharded parameter from the moment its group is added (so that every rank has
 the same keys before the first step, as torch.distributed.checkpoint's get_state_dict needs):
@@ -234,6 +241,48 @@ def dual_rows(piece, layout, index):
     return slice(*chunk_range(warm_shape(piece)[0], layout.size, index))
 
 
+def resident_valid(optimizer, piece, owner):
+    """Whether `owner` holds `piece`'s W and warm start from the last step, as this step needs
+    them (optimizer.resident_record, the same on every rank): the same owner, and this rank's
+    shard of the parameter unchanged since that step wrote it (its version counters). A weight
+    changed outside the step is sent again; such a change must be made on every rank of the shard
+    group (as every DTensor operation is), or the ranks would disagree on what they send."""
+    if not optimizer.options.resident:
+        return False
+    valid = optimizer.resident_record.get(piece.key) == (owner, versions(piece.param))
+    if valid and owner == optimizer_rank(piece) and piece.key not in optimizer.resident_cache:
+        raise RuntimeError(f"internal: resident piece {piece.key} missing from its owner's cache")
+    return valid
+
+
+def versions(p):
+    """The version counters of a sharded parameter and of its local tensor: an in-place DTensor
+    operation moves the first only, one on the local tensor (FSDP2's, the exchange's writes) the
+    second only."""
+    return p._version, local(p)._version
+
+
+def optimizer_rank(piece):
+    return shard_layout(piece.param).rank
+
+
+def record_resident(optimizer, pieces, owners):
+    """After a shard group's step: every piece's owner and this rank's shard version (read by
+    resident_valid next step); the owner's cache keeps only what it owns."""
+    if not optimizer.options.resident:
+        return
+    for piece in pieces:
+        optimizer.resident_record[piece.key] = (owners[piece.key], versions(piece.param))
+        if owners[piece.key] != optimizer_rank(piece):
+            optimizer.resident_cache.pop(piece.key, None)
+
+
+def wire_bytes(numel, dtype):
+    """Bytes a part of `numel` elements of `dtype` takes in the exchange: padded to a multiple of
+    4, so that every part starts where an fp32 view of it may."""
+    return -(-numel * dtype.itemsize // 4) * 4
+
+
 class ShardedStep:
     """One step of the sharded pieces of one shard group (module docstring)."""
 
@@ -248,6 +297,8 @@ class ShardedStep:
         # the warm start travels once the parameter has stepped (until then it is zero)
         self.warm = {piece.key: self.keeps[piece.key] and bool(optimizer.state[piece.param]["step"] > 0)
                      for piece in every}
+        self.resident = {piece.key: resident_valid(optimizer, piece, self.owner[piece.key]) for piece in every}
+        self.grad_dtype = optimizer.plan.grad_wire_dtype
 
     def pieces_of(self, rank):
         """The pieces `rank` owns, in bank order."""
@@ -256,61 +307,88 @@ class ShardedStep:
     # what one rank sends to another, in order, both ways (sizes from the shapes alone)
 
     def parts(self, piece, rank, matrices, dual):
-        """[(name, numel)] of rank `rank`'s part of `piece`: its box of each of `matrices`, then
-        (where `dual`) its rows of the warm start Lambda."""
+        """[(name, numel, dtype)] of rank `rank`'s part of `piece`: its box of each of `matrices`
+        ((name, dtype) pairs), then (where `dual`) its rows of the warm start Lambda."""
         box = box_numel(piece_box(piece, self.layout, rank))
         rows = dual_rows(piece, self.layout, rank)
-        return [(name, box) for name in matrices] + \
-            ([("dual", (rows.stop - rows.start) * warm_shape(piece)[1])] if dual else [])
+        return [(name, box, dtype) for name, dtype in matrices] + \
+            ([("dual", (rows.stop - rows.start) * warm_shape(piece)[1], torch.float32)] if dual else [])
 
     def out_parts(self, piece, sender):
-        """What `sender` sends the owner of `piece`: its part of W, of G and, once warm, of Lambda."""
-        return self.parts(piece, sender, ("W", "G"), self.warm[piece.key])
+        """What `sender` sends the owner of `piece`: its part of G and, unless the owner holds them
+        from the last step (`resident`), of W and, once warm, of Lambda."""
+        if self.resident[piece.key]:
+            return self.parts(piece, sender, (("G", self.grad_dtype),), False)
+        return self.parts(piece, sender, (("W", torch.float32), ("G", self.grad_dtype)), self.warm[piece.key])
 
     def back_parts(self, piece, receiver):
-        """What the owner of `piece` sends `receiver`: its part of the new W and, if kept, Lambda."""
-        return self.parts(piece, receiver, ("W",), self.keeps[piece.key])
+        """What the owner of `piece` sends `receiver`: its part of the new W and, if kept, Lambda
+        (so that the shards, and so the checkpoints, always hold the current values)."""
+        return self.parts(piece, receiver, (("W", torch.float32),), self.keeps[piece.key])
 
     def run(self, momenta):
         """momenta: {id(param): local G}. Writes every new weight and warm start in place."""
+        self.finish(self.send_out(momenta))
+
+    def send_out(self, momenta):
+        """2. out: my part of each piece, to its owner, in the owner's order; the exchange in
+        flight (its .wait() gives the bytes received)."""
         opt, layout, me = self.opt, self.layout, self.layout.rank
         device = local(self.banks[0][1][0].param).device
-        # 2. out: my part of each piece, to its owner, in the owner's order
         sends = []
         for dest in range(layout.size):
             for piece in self.pieces_of(dest):
                 _, _, rows, cols = piece_box(piece, layout, me)
-                sends.append(local(piece.param)[rows, cols].float().reshape(-1))
-                sends.append(momenta[id(piece.param)][rows, cols].reshape(-1))
-                if self.warm[piece.key]:
-                    sends.append(local(opt.state[piece.param][piece.dual_key]).reshape(-1))
-        in_sizes = [sum(n for piece in self.pieces_of(dest) for _, n in self.out_parts(piece, me))
+                if not self.resident[piece.key]:
+                    sends.append(local(piece.param)[rows, cols].float())
+                sends.append(momenta[id(piece.param)][rows, cols].to(self.grad_dtype))
+                if self.warm[piece.key] and not self.resident[piece.key]:
+                    sends.append(local(opt.state[piece.param][piece.dual_key]))
+        in_sizes = [sum(wire_bytes(n, dt) for piece in self.pieces_of(dest) for _, n, dt in self.out_parts(piece, me))
                     for dest in range(layout.size)]
-        out_sizes = [sum(n for piece in self.pieces_of(me) for _, n in self.out_parts(piece, src))
+        out_sizes = [sum(wire_bytes(n, dt) for piece in self.pieces_of(me) for _, n, dt in self.out_parts(piece, src))
                      for src in range(layout.size)]
-        received = exchange(sends, in_sizes, out_sizes, layout.group, device)
         count_exchange(opt, in_sizes, out_sizes, me, solved=len(self.pieces_of(me)))
+        return exchange(sends, in_sizes, out_sizes, layout.group, device, async_op=True)
+
+    def finish(self, inflight):
+        """3.-4. once the out exchange (send_out's InFlight) has arrived; returns the most bytes of
+        the exchange's buffers this bucket held at once: what it received and the pieces assembled
+        from it, then (the received bytes freed) the pieces and what it sends and receives back;
+        bench/memory.py's exchange_held estimates the same from the shapes."""
+        opt, layout, me = self.opt, self.layout, self.layout.rank
+        received = inflight.wait()
+        inflight.send = inflight.received = None  # freed with the last reference below
+        device = received.device
         # 3. assemble my pieces and solve them, bank by bank, as one process does
         whole = {}
         for piece in self.pieces_of(me):
             rows, cols = piece.hi - piece.lo, piece.param.size(1)
-            whole[piece.key] = [torch.empty(rows, cols, dtype=torch.float32, device=device),
-                                torch.empty(rows, cols, dtype=torch.float32, device=device),
+            G = torch.empty(rows, cols, dtype=torch.float32, device=device)
+            if self.resident[piece.key]:
+                whole[piece.key] = [opt.resident_cache[piece.key][0], G, opt.resident_cache[piece.key][1]]
+                continue
+            whole[piece.key] = [torch.empty(rows, cols, dtype=torch.float32, device=device), G,
                                 torch.empty(warm_shape(piece), dtype=torch.float32, device=device)
                                 if self.warm[piece.key] else None]
-        offset = 0
+        offset, chunk = 0, None
         for src in range(layout.size):
             for piece in self.pieces_of(me):
                 piece_rows, piece_cols, _, _ = piece_box(piece, layout, src)
                 W, G, dual = whole[piece.key]
-                for name, n in self.out_parts(piece, src):
-                    chunk = received[offset:offset + n]
-                    offset += n
+                for name, n, dtype in self.out_parts(piece, src):
+                    chunk = received[offset:offset + n * dtype.itemsize].view(dtype)
+                    offset += wire_bytes(n, dtype)
                     if name == "dual":
                         dual[dual_rows(piece, layout, src)] = chunk.view(-1, dual.size(1))
                     else:
                         target = (W if name == "W" else G)[piece_rows, piece_cols]
                         target.copy_(chunk.view(target.shape))
+        assembled = sum(t.numel() * t.element_size() for piece in self.pieces_of(me)
+                        for t, kept in zip(whole[piece.key], (True, False, True))
+                        if t is not None and not (kept and self.resident[piece.key]))
+        held = received.numel() + assembled
+        del received, chunk  # copied into the pieces: not held while they solve
         mine = [(name, [piece for piece in pieces if self.owner[piece.key] == me]) for name, pieces in self.banks]
         mine = [(name, pieces) for name, pieces in mine if pieces]
         new_duals = {}
@@ -325,32 +403,37 @@ class ShardedStep:
         inputs = lambda piece: whole[piece.key]  # noqa: E731
         computed = opt._step_banks(mine, inputs, keep) if mine else []
         new_W = {piece.key: w for pieces, ws in computed for piece, w in zip(pieces, ws)}
+        if opt.options.resident:  # kept for the next step (resident_valid)
+            for piece in self.pieces_of(me):
+                opt.resident_cache[piece.key] = (new_W[piece.key], new_duals.get(piece.key))
         # 4. back: each rank its part of every new W and Lambda I computed
         sends = []
         for dest in range(layout.size):
             for piece in self.pieces_of(me):
                 piece_rows, piece_cols, _, _ = piece_box(piece, layout, dest)
-                sends.append(new_W[piece.key][piece_rows, piece_cols].float().reshape(-1))
+                sends.append(new_W[piece.key][piece_rows, piece_cols].float())
                 if self.keeps[piece.key]:
-                    sends.append(new_duals[piece.key][dual_rows(piece, layout, dest)].reshape(-1))
-        in_sizes = [sum(n for piece in self.pieces_of(me) for _, n in self.back_parts(piece, dest))
+                    sends.append(new_duals[piece.key][dual_rows(piece, layout, dest)])
+        in_sizes = [sum(wire_bytes(n, dt) for piece in self.pieces_of(me) for _, n, dt in self.back_parts(piece, dest))
                     for dest in range(layout.size)]
-        out_sizes = [sum(n for piece in self.pieces_of(src) for _, n in self.back_parts(piece, me))
+        out_sizes = [sum(wire_bytes(n, dt) for piece in self.pieces_of(src) for _, n, dt in self.back_parts(piece, me))
                      for src in range(layout.size)]
-        received = exchange(sends, in_sizes, out_sizes, layout.group, device)
+        back = exchange(sends, in_sizes, out_sizes, layout.group, device)
         count_exchange(opt, in_sizes, out_sizes, me)
+        held = max(held, assembled + sum(in_sizes) + sum(out_sizes))
         targets, sources, offset = [], [], 0
         for src in range(layout.size):
             for piece in self.pieces_of(src):
                 _, _, rows, cols = piece_box(piece, layout, me)
-                for name, n in self.back_parts(piece, me):
+                for name, n, dtype in self.back_parts(piece, me):
                     target = (local(piece.param)[rows, cols] if name == "W"
                               else local(opt.state[piece.param][piece.dual_key]))
                     targets.append(target)
-                    sources.append(received[offset:offset + n].view(target.shape))
-                    offset += n
+                    sources.append(back[offset:offset + n * dtype.itemsize].view(dtype).view(target.shape))
+                    offset += wire_bytes(n, dtype)
         if targets:
             torch._foreach_copy_(targets, sources)
+        return held
 
 
 # The exchange goes in buckets of pieces, each at most this many elements of W per rank of the group
@@ -439,8 +522,25 @@ def step_shard_group(optimizer, layout, banks, owners, bucketed, momenta):
     """The step of one shard group's pieces with gradients (banks [(name, pieces)], the same on
     every rank) under its plan (shard_plan: owners, bucketed = the banks cut into buckets)."""
     stats = {}
-    for bucket in bucketed:
-        ShardedStep(optimizer, layout, bucket, owners).run(momenta)
+    # every bucket's step built before any writes: a parameter whose pieces lie in two buckets is
+    # written by the first, and the resident flags read its version counters (resident_valid)
+    steps = [ShardedStep(optimizer, layout, bucket, owners) for bucket in bucketed]
+    pending = steps[0].send_out(momenta) if steps else None
+    for index, (step, bucket) in enumerate(zip(steps, bucketed)):
+        current = pending
+        following = steps[index + 1] if index + 1 < len(steps) else None
+        if following is not None and optimizer.options.overlap:
+            # the next bucket's out exchange in flight while this one solves (its parts are
+            # other pieces' rows, which this bucket does not write)
+            current.wait()
+            pending = following.send_out(momenta)
+        held = step.finish(current)
+        del current
+        if following is not None and optimizer.options.overlap:
+            held += pending.bytes
+        optimizer.exchange_counts["held"] = max(optimizer.exchange_counts.get("held", 0), held)
+        if following is not None and not optimizer.options.overlap:
+            pending = following.send_out(momenta)
         for name, _ in bucket:  # a bank cut by buckets: the largest iterations and residual, all fallbacks
             new = optimizer.last_stats.pop(name, None)
             if new is not None:
@@ -448,6 +548,7 @@ def step_shard_group(optimizer, layout, banks, owners, bucketed, momenta):
     optimizer.last_stats.update(stats)
     for param in OrderedDict((id(piece.param), piece.param) for _, pieces in banks for piece in pieces).values():
         optimizer.state[param]["step"] += 1
+    record_resident(optimizer, [piece for _, pieces in banks for piece in pieces], owners)
     gather_stats(optimizer, layout, [name for name, _ in banks], local(banks[0][1][0].param).device)
 
 
@@ -487,8 +588,9 @@ def all_gather_rows(tensor, size, group=None, async_op=False):
 
 
 def count_exchange(optimizer, in_sizes, out_sizes, me, solved=0):
-    """Add one all_to_all_single to optimizer.exchange_counts (this step's): fp32 elements sent to
-    and received from the other ranks, collectives, pieces solved here."""
+    """Add one all_to_all_single to optimizer.exchange_counts (this step's): bytes sent to and
+    received from the other ranks, collectives, pieces solved here (and, from step_shard_group,
+    "held": the most bytes of exchange buffers held at once)."""
     counts = optimizer.exchange_counts
     counts["sent"] += sum(n for rank, n in enumerate(in_sizes) if rank != me)
     counts["received"] += sum(n for rank, n in enumerate(out_sizes) if rank != me)
@@ -496,10 +598,34 @@ def count_exchange(optimizer, in_sizes, out_sizes, me, solved=0):
     counts["solved"] += solved
 
 
-def exchange(sends, in_sizes, out_sizes, group, device):
-    """One all_to_all_single of the flat fp32 parts in `sends` (in_sizes[r] of them for rank r);
-    returns what arrived (out_sizes[r] from rank r, in rank order)."""
-    send = torch.cat(sends) if sends else torch.empty(0, dtype=torch.float32, device=device)
-    received = torch.empty(sum(out_sizes), dtype=torch.float32, device=device)
-    dist.all_to_all_single(received, send, out_sizes, in_sizes, group=group)
-    return received
+class InFlight:
+    """An exchange posted with async_op: wait() gives the bytes received."""
+
+    def __init__(self, send, received, work):
+        self.send, self.received, self.work = send, received, work
+
+    @property
+    def bytes(self):
+        """Of its buffers (sent and received), held until it completes."""
+        return self.send.numel() + self.received.numel()
+
+    def wait(self):
+        self.work.wait()
+        return self.received
+
+
+def exchange(sends, in_sizes, out_sizes, group, device, async_op=False):
+    """One all_to_all_single of the parts in `sends` (tensors of any dtype, in_sizes[r] bytes of
+    them for rank r, each padded as wire_bytes pads it), as bytes; returns what arrived
+    (out_sizes[r] bytes from rank r, in rank order), or with async_op an InFlight of it."""
+    flat = []
+    for part in sends:
+        raw = part.contiguous().reshape(-1).view(torch.uint8)
+        flat.append(raw)
+        pad = wire_bytes(part.numel(), part.dtype) - raw.numel()
+        if pad:
+            flat.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    received = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
+    work = dist.all_to_all_single(received, send, out_sizes, in_sizes, group=group, async_op=async_op)
+    return InFlight(send, received, work) if async_op else received

@@ -163,8 +163,11 @@ def test_memory_counts_agree_with_a_live_step_and_fsdp_holds_under_a_sixth_of_dd
     args = memory.train_gpt2.parse_args(["--device", "cpu", *flags])
     memory.train_gpt2.validate_args(args, world_size=2)
     for (fsdp, rank), held in memory.live(flags).items():
+        exchange = held.pop("exchange_held")
         assert held == memory.counted_rank(args, 2, rank, fsdp), (fsdp, rank)
         assert all(held[c] > 0 for c in memory.CATEGORIES)
+        # the exchange's buffers at their most, measured in the step, as the in-flight estimate has them
+        assert exchange == (memory.first_step_exchange(args, 2, rank) if fsdp else 0), (fsdp, rank, exchange)
     xl = memory.trainer_args("gpt2-xl")
     ddp, fsdp = (memory.count(xl, 8, sharded) for sharded in (False, True))
     total = lambda held: sum(held.values())  # noqa: E731

@@ -35,8 +35,13 @@ RUNS = [("gpt", "muon"), ("gpt", "sgd"), ("gpt", "clients"), ("llama", "muon"), 
         ("hf-gpt2", "sgd")]
 # other layouts of the GPT, against the same one-process run: matrices split on columns
 # (shard_placement_fn; FSDP2 splits dimension 1 only evenly: 2 ranks), HSDP's 2-D mesh
-# (Replicate, Shard(0)) with one replica, and the exchange cut into one bucket per piece
-LAYOUTS = {2: ["cols", "hsdp", "buckets"], 3: ["hsdp", "buckets"]}
+# (Replicate, Shard(0)) with one replica, the exchange cut into one bucket per piece; and the
+# exchange without the owners' resident copies (every W and warm start sent each step);
+# G in bf16 on the wire, and the buckets' exchanges one after another (no overlap)
+LAYOUTS = {2: ["cols", "hsdp", "buckets", "resident-off", "bf16-grad", "buckets-serial"],
+           3: ["hsdp", "buckets", "resident-off", "buckets-serial"]}
+WIRE = {"resident-off": {"resident": False}, "bf16-grad": {"exchange_grad": "bf16"},
+        "buckets-serial": {"overlap": False}}
 GPT_SPEC = "attn.q=stiefel,attn.k=oblique,attn.v=dgram,attn.proj=stiefel,mlp.fc=dgram,mlp.proj=none"
 # transformers' GPT-2: Conv1D weights stored (in, out), sharded on their rows = the map's columns
 CASES = {"gpt": GPT_SPEC, "llama": "hetero", "hf-gpt2": "attn.qkv=oblique,attn.proj=stiefel,mlp=dgram"}
@@ -82,9 +87,9 @@ def loss_of(model, step, rank=0, world_size=1):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
-def optimizer(model, case, kind, shard=True):
+def optimizer(model, case, kind, shard=True, **solver):
     """kind: "sgd", "muon", or "clients": muon with block 0 frozen (no gradients) and every group
-    but the first added after construction (add_param_group)."""
+    but the first added after construction (add_param_group); solver: ManifoldMuon's options."""
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.5)
     if kind == "clients":
@@ -92,7 +97,7 @@ def optimizer(model, case, kind, shard=True):
             p.requires_grad_(False)
     groups, _ = manifold_param_groups(model, CASES[case], adamw=ADAMW)
     if kind == "muon":
-        return ManifoldMuon(groups, lr=0.05, shard=shard)
+        return ManifoldMuon(groups, lr=0.05, shard=shard, **solver)
     opt = ManifoldMuon(groups[:1], lr=0.05, shard=shard)
     for group in groups[1:]:
         opt.add_param_group(group)
@@ -109,17 +114,25 @@ def shard(model, mesh, layout="rows"):
     return model
 
 
-def train(model, opt, steps, rank=0, world_size=1, noise=0.0):
-    """[loss of each step, averaged over the ranks]; noise: gradients scaled by 1 + noise N(0, 1)"""
+def train(model, opt, steps, rank=0, world_size=1, noise=0.0, counts=None):
+    """[loss of each step, averaged over the ranks]; noise: gradients scaled by 1 + noise N(0, 1);
+    counts: a list that gets each step's ManifoldMuon.exchange_counts"""
     losses = []
     generator = torch.Generator().manual_seed(5)
     for step in steps:
+        if step == 1 and isinstance(model, train_gpt2.GPT):
+            # a weight changed outside the step, in place (on every rank, as DTensor operations are):
+            # the owners' resident copies of it are stale (test_resident_copies_change_the_bytes_not_the_bits)
+            with torch.no_grad():
+                model.blocks[-1].mlp.c_proj.weight.mul_(0.99)
         loss = loss_of(model, step, rank, world_size)
         loss.backward()
         for p in model.parameters() if noise else []:
             if p.grad is not None:
                 p.grad.mul_(1 + noise * torch.randn(p.grad.shape, generator=generator))
         opt.step()
+        if counts is not None and hasattr(opt, "exchange_counts"):
+            counts.append(dict(opt.exchange_counts))
         opt.zero_grad()
         if world_size > 1:
             dist.all_reduce(loss := loss.detach().clone())
@@ -158,22 +171,24 @@ def rank_main(rank, world_size, store, out_dir, checkpoint_in):
         for case, kind in RUNS:
             model = shard(build(case), mesh)
             opt = optimizer(model, case, kind)
-            losses = train(model, opt, range(STEPS), rank, world_size)
-            results[f"{case}/{kind}"] = {"losses": losses, "weights": gathered(model)}
+            counts = []
+            losses = train(model, opt, range(STEPS), rank, world_size, counts=counts)
+            results[f"{case}/{kind}"] = {"losses": losses, "weights": gathered(model), "counts": counts}
         for layout in LAYOUTS.get(world_size, []):
             on = (init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard")) if layout == "hsdp"
                   else mesh)
-            model = shard(build("gpt"), on, layout)
-            opt = optimizer(model, "gpt", "muon")
+            model = shard(build("gpt"), on, "cols" if layout == "cols" else "rows")
+            opt = optimizer(model, "gpt", "muon", **WIRE.get(layout, {}))
             bucket = sharded.EXCHANGE_BUCKET
-            if layout == "buckets":  # buckets of P largest pieces: every bank cut, q/k/v of one matrix apart
+            if layout.startswith("buckets"):  # buckets of P largest pieces: every bank cut, q/k/v apart
                 sharded.EXCHANGE_BUCKET = 1
+            counts = []
             try:
-                losses = train(model, opt, range(STEPS), rank, world_size)
+                losses = train(model, opt, range(STEPS), rank, world_size, counts=counts)
             finally:
                 sharded.EXCHANGE_BUCKET = bucket
             results[f"gpt/muon/{layout}"] = {"losses": losses, "weights": gathered(model),
-                                             "stats": opt.stats()}
+                                             "stats": opt.stats(), "counts": counts}
         if world_size == 2:  # a layout the exchange does not handle: one error naming it
             from torch.distributed.tensor import Shard, distribute_tensor
             two_d = init_device_mesh("cpu", (1, 2))
@@ -315,7 +330,8 @@ def test_a_layout_it_does_not_handle_is_one_error_naming_it(runs):
     assert "(Shard(dim=0), Shard(dim=1))" in message and "not supported" in message, message
 
 
-@pytest.mark.parametrize("world_size,layout", [(w, layout) for w, layouts in LAYOUTS.items() for layout in layouts])
+@pytest.mark.parametrize("world_size,layout", [(w, layout) for w, layouts in LAYOUTS.items() for layout in layouts
+                                                if layout not in WIRE])
 def test_columns_and_hsdp_layouts_train_as_one_process(runs, alone, layout, world_size):
     gap = largest_difference(runs[world_size][0][f"gpt/muon/{layout}"]["weights"], alone["gpt/muon"]["weights"])
     print(f"gpt muon, {layout} on {world_size} ranks: {gap:.1e} from one process")
@@ -323,3 +339,44 @@ def test_columns_and_hsdp_layouts_train_as_one_process(runs, alone, layout, worl
     if layout == "buckets":  # each bank's statistics cover all of its buckets
         straight = runs[world_size][0]["gpt/muon/hsdp"]["stats"]
         assert runs[world_size][0]["gpt/muon/buckets"]["stats"].keys() == straight.keys()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_resident_copies_change_the_bytes_not_the_bits(runs, world_size):
+    """Owners keep each piece's W and warm start between steps (sharded.resident_valid): every
+    rank's weights equal, bit for bit, those of the exchange that sends them every step, while the
+    steps after the first receive less (G alone travels out), but for a weight changed outside the
+    step (`train` scales one by 0.99 before step 1): it is sent again."""
+    for results in runs[world_size]:
+        resident, sent_again = results["gpt/muon"], results["gpt/muon/resident-off"]
+        assert all(torch.equal(resident["weights"][n], sent_again["weights"][n]) for n in resident["weights"])
+        first, later = resident["counts"][0], resident["counts"][1:]
+        assert first["received"] == sent_again["counts"][0]["received"]  # nothing resident yet
+        for step, counts in enumerate(later, start=1):
+            # out: G only (was W, G and Lambda); back: W and Lambda as before
+            assert counts["received"] < 0.75 * sent_again["counts"][step]["received"], (step, counts)
+
+
+def test_bf16_gradients_on_the_wire_halve_them_and_stay_on_the_manifolds(runs, alone):
+    """exchange_grad=bf16 (a GPU's default): G rounds to bf16 on its way to the owner; the weights
+    move by about that rounding from the fp32 wire's, and stay on their manifolds."""
+    for results in runs[2]:
+        bf16, fp32 = results["gpt/muon/bf16-grad"], results["gpt/muon"]
+        gap = largest_difference(bf16["weights"], fp32["weights"])
+        assert 0 < gap <= 1e-2, gap
+        for step in (1, 2):  # G only travels out: half the bytes of fp32's G, plus the same back exchange
+            assert bf16["counts"][step]["received"] < fp32["counts"][step]["received"]
+    weights = runs[2][0]["gpt/muon/bf16-grad"]["weights"]
+    for name, blocks, transposed in manifold_matrices("gpt"):
+        for lo, hi, manifold in blocks:
+            assert manifold_violation(weights[name][lo:hi], manifold, transposed=transposed) <= 1e-4, (name, lo)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_next_buckets_exchange_in_flight_changes_no_bit(runs, world_size):
+    """overlap (the default): bucket k+1's out exchange is posted before bucket k solves; the
+    weights equal those of the serial order bit for bit, on every rank, with every bank cut."""
+    for results in runs[world_size]:
+        overlapped, serial = results["gpt/muon/buckets"], results["gpt/muon/buckets-serial"]
+        assert all(torch.equal(overlapped["weights"][n], serial["weights"][n]) for n in serial["weights"])
+        assert overlapped["counts"][0]["collectives"] > 2  # several buckets: something to overlap
