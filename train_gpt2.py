@@ -40,7 +40,7 @@ from training.checkpoints import (check_resumable, checkpoint_path, checkpoint_p
                                   load_muon_state, restore, restore_run, run_payload, save_atomic, save_checkpoint)
 from training.auto_assign import AutoAssign
 from training.user_manifolds import import_manifold_modules, saved_manifold_modules
-from training.fsdp import check_fsdp_flags, check_replicas, gathered_matrix_stats, shard_model, whole
+from training.fsdp import build_sharded, check_fsdp_flags, check_replicas, gathered_matrix_stats, whole
 from training.sharded_checkpoints import find_sharded_resume, load_sharded, save_sharded, sharded_checkpoint_path
 from training.diagnostics import AttentionProbe, matrix_stats
 from training.qk_clip import QKClip
@@ -748,6 +748,18 @@ def layer_assignments(args, auto):
             for layer in range(args.n_layer)]
 
 
+def build_model(args, device, dtype):
+    """The GPT of `args` on `device`, initialised from --seed (the same on every rank). Under --fsdp
+    (before the optimizers: they take the sharded parameters) it is built on the meta device,
+    sharded, and materialised rank by rank with the same weights (training/meta_init.py)."""
+    cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size, qk_norm=args.qk_norm,
+                    attn_softcap=args.attn_softcap)
+    torch.manual_seed(args.seed)
+    if args.fsdp:
+        return build_sharded(lambda: GPT(cfg), device, dtype, args.fsdp_shard_ranks, args.seed)
+    return GPT(cfg).to(device)
+
+
 def build_optimizers(model, args, device, auto=None):
     # the one path from an assignment to Muon's groups (manifolds.param_groups, as for any model);
     # it projects the GPT-2 init onto the manifolds
@@ -989,11 +1001,7 @@ def setup(args, env, cleanup):
     find = find_sharded_resume if args.fsdp else find_resume_checkpoint
     resume_path, payload = find(args, say) if args.resume else (None, None)
 
-    torch.manual_seed(args.seed)  # the same initialisation on every rank
-    model = GPT(GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size,
-                          qk_norm=args.qk_norm, attn_softcap=args.attn_softcap)).to(device)
-    if args.fsdp:  # before the optimizers: they take the sharded parameters
-        shard_model(model, device, dtype, args.fsdp_shard_ranks)
+    model = build_model(args, device, dtype)
     auto = None
     if args.assign.strip() == "auto":
         auto = AutoAssign(args.n_layer, args.auto_logit_max, args.auto_saturation, args.auto_sigma_growth)

@@ -3,6 +3,7 @@
     python -m bench.memory                      # the four presets at 1, 2, 4 and 8 ranks (counted)
     python -m bench.memory --live               # + 2 gloo ranks on CPU: one real step of each, measured
     python -m bench.memory --live --model gpt2 --n-layer 2 --live-only   # a quicker live check
+    python -m bench.memory --live-only --live-layout fsdp --model gpt2-large  # the meta-device build at scale
 
 COUNTED from the tensors of the trainer's own model and optimizer groups built on the meta device
 (no memory allocated): each parameter's fp32 master weight and gradient, AdamW's two moments, and
@@ -24,13 +25,16 @@ resident copies of the whole W and warm start of each piece a rank owns, manifol
 Activations are not counted (they depend on the micro-batch, not on sharding). The largest rank is
 reported. --live trains one step of a preset on 2 gloo ranks, DDP and --fsdp, and sums the bytes of
 the live tensors each rank holds (local shards under --fsdp) per category, beside the count for
-that rank: they must agree. The last line: FSDP's bytes per rank over DDP's, GPT-2 XL at 8 ranks.
+that rank: they must agree; and how far the rank's peak resident memory grew while the trainer
+built the model, which under --fsdp (built on the meta device, training/meta_init.py) must stay
+within the rank's own parameters plus one block's whole parameters. The last line: FSDP's bytes per rank over DDP's, GPT-2 XL at 8 ranks.
 """
 import argparse
 import datetime
 import gc
 import multiprocessing
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -166,6 +170,10 @@ def report(presets, ranks, *flags):
 
 # --- live: one real step on 2 gloo ranks --------------------------------------------------------
 
+def local_tensor(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def live_bytes(model, muon, adamw):
     """{category: bytes} of the tensors this rank holds (the local parts of DTensors)."""
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
@@ -193,18 +201,18 @@ def live_rank(rank, world, store, out, flags, fsdp):
     try:
         args = train_gpt2.parse_args(["--device", "cpu", *flags, *(["--fsdp"] if fsdp else [])])
         train_gpt2.validate_args(args, world_size=world)
-        torch.manual_seed(args.seed)
-        model = train_gpt2.GPT(train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
-                                                    args.vocab_size))
-        if fsdp:
-            train_gpt2.shard_model(model, torch.device("cpu"), "float32")
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        model = train_gpt2.build_model(args, torch.device("cpu"), "float32")
+        build = {"grown": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before,
+                 "shards": sum(FP32 * local_tensor(p).numel() for p in dict.fromkeys(model.parameters())),
+                 "block": sum(FP32 * p.numel() for p in model.blocks[0].parameters())}
         muon, adamw = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
         step_model = model if fsdp else torch.nn.parallel.DistributedDataParallel(model)
         tokens = torch.randint(0, args.vocab_size, (1, args.seq_len + 1), generator=torch.Generator().manual_seed(rank))
         step_model(tokens[:, :-1], tokens[:, 1:]).backward()
         adamw.step()
         muon.step()  # gradients kept: counted as held during the step
-        torch.save(live_bytes(model, muon, adamw), out)
+        torch.save({**live_bytes(model, muon, adamw), "build": build}, out)
     finally:
         # FSDP2's modules and collectives sit in reference cycles: freed while the group can still
         # finish them, not at interpreter shutdown (train_gpt2.main does the same)
@@ -212,11 +220,12 @@ def live_rank(rank, world, store, out, flags, fsdp):
         dist.destroy_process_group()
 
 
-def live(flags, world=2):
-    """{(fsdp, rank): live bytes} of one real step of each layout on `world` gloo ranks."""
+def live(flags, world=2, layouts=(False, True)):
+    """{(fsdp, rank): live bytes} of one real step of each layout (fsdp False, True) on `world`
+    gloo ranks."""
     measured = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for fsdp in (False, True):
+        for fsdp in layouts:
             # spawn, not fork: a process forked from one that runs threads (pytest-xdist's, torch's
             # pools) can start with a lock another thread held, and hang before its first line (5 of
             # about 12 full runs of tests/test_bench.py did); a spawned rank starts a fresh interpreter
@@ -294,6 +303,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--live", action="store_true", help="also measure one real step on 2 gloo ranks (CPU)")
     parser.add_argument("--live-only", action="store_true", help="only the live check (no table of presets)")
+    parser.add_argument("--live-layout", choices=("both", "ddp", "fsdp"), default="both",
+                        help="the live check's layouts (fsdp alone: a model whose whole training state per rank "
+                             "would not fit this machine twice)")
     parser.add_argument("--model", default="gpt2", choices=train_gpt2.MODEL_PRESETS, help="the live check's preset")
     parser.add_argument("--n-layer", type=int, default=None, help="the live check's blocks (default: the preset's)")
     parser.add_argument("--seq-len", type=int, default=64, help="the live check's sequence length")
@@ -312,7 +324,8 @@ def main(argv=None):
         train_gpt2.validate_args(trainer, world_size=2)
         shown = ["--model", args.model] + (["--n-layer", str(args.n_layer)] if args.n_layer else [])
         print(f"LIVE, 2 gloo ranks, one step of {' '.join(shown)}: bytes held, measured / counted")
-        for (fsdp, rank), held in sorted(live(flags).items()):
+        layouts = {"both": (False, True), "ddp": (False,), "fsdp": (True,)}[args.live_layout]
+        for (fsdp, rank), held in sorted(live(flags, layouts=layouts).items()):
             expected = counted_rank(trainer, 2, rank, fsdp)
             expected["exchange_held"] = first_step_exchange(trainer, 2, rank) if fsdp else 0
             shown = CATEGORIES + (("exchange_held",) if fsdp else ())
@@ -320,6 +333,12 @@ def main(argv=None):
             agree &= same
             print(f"  {'fsdp' if fsdp else 'ddp ':4} rank {rank}: " + ", ".join(
                 f"{c} {held[c]:,} / {expected[c]:,}" for c in shown) + ("" if same else "  MISMATCH"))
+            build = held["build"]  # the peak resident bytes' growth while the model was built
+            within = build["grown"] <= build["shards"] + build["block"]
+            agree &= within or not fsdp
+            print(f"    building the model: peak memory grew {build['grown'] / 2**20:,.1f} MiB; its parameters on "
+                  f"this rank {build['shards'] / 2**20:,.1f} MiB + one block whole {build['block'] / 2**20:,.1f} MiB"
+                  + ("" if within or not fsdp else "  EXCEEDED (the whole model was built?)"))
         print(f"live measurement {'agrees with' if agree else 'DIFFERS from'} the count")
     if totals:
         ratio = totals["gpt2-xl", 8, True] / totals["gpt2-xl", 8, False]

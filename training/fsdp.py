@@ -35,6 +35,16 @@ def shard_model(model, device, dtype, shard_ranks=0):
     return model
 
 
+def build_sharded(build, device, dtype, shard_ranks, seed):
+    """`build()` (a GPT) on the meta device, sharded (shard_model), then materialised on `device`
+    rank by rank with the weights the whole model built in one process after
+    torch.manual_seed(seed) has (training/meta_init.py): no rank ever holds the whole model."""
+    from training.meta_init import materialize, record
+    model, steps = record(build)
+    shard_model(model, device, dtype, shard_ranks)
+    return materialize(model, steps, device, seed)
+
+
 class ReplicaDrift(UserError):
     """HSDP replicas whose parameters are no longer bitwise equal (check_replicas)."""
 
