@@ -1095,7 +1095,7 @@ def describe(run, dtype, resumed):
     log (opened for appending)."""
     args, env = run.args, run.env
     n_params = sum(p.numel() for p in run.model.parameters())
-    comm_bytes = communication_bytes_per_step(run.model, run.muon, env)
+    comm_bytes = communication_bytes_per_step(run.model, run.muon, env, run.args, run.device, dtype)
     run.say(f"GPT-2 {args.n_layer}L {args.n_head}H {args.n_embd}D, {n_params / 1e6:.2f}M parameters, "
             f"{run.device.type} {dtype}, {env.world_size} process(es); assign {args.assign}: "
             + ", ".join(f"{k}={v}" for k, v in args.assignment.items()))
@@ -1113,13 +1113,25 @@ def describe(run, dtype, resumed):
         run.log = RunLog(args.out_dir, args, resume_step=run.start_step if resumed else None)
 
 
-def communication_bytes_per_step(model, muon, env):
-    """Bytes each rank receives per optimizer step: the ring all-reduce of the gradients
-    (2 (N-1)/N of the gradient bytes) plus the all-gather of the Muon banks ((N-1)/N of
-    the padded bank bytes). fp32 throughout."""
+def communication_bytes_per_step(model, muon, env, args=None, device=None, dtype="float32"):
+    """Bytes each rank receives per optimizer step. DDP: the ring all-reduce of the gradients
+    (2 (N-1)/N of the gradient bytes) plus the all-gather of the Muon banks ((N-1)/N of the
+    padded bank bytes), fp32. --fsdp: FSDP2's two all-gathers of the parameters (bf16 on CUDA
+    with a bf16 forward, else fp32) and reduce-scatter of the gradients (fp32) over the shard
+    group of P ranks, (P-1)/P of each; across HSDP's R replicas the all-reduce of the gradient
+    shards, 2 (R-1)/R; and ManifoldMuon's steady exchange (manifolds/sharded.py)."""
     n = env.world_size
-    if n == 1 or any(hasattr(p, "full_tensor") for p in model.parameters()):  # --fsdp: bench.sharded_bytes
+    if n == 1:
         return 0
+    params = list(dict.fromkeys(model.parameters()))
+    if any(hasattr(p, "full_tensor") for p in params):
+        from manifolds.sharded import steady_received_bytes
+        numel = sum(p.numel() for p in params)
+        group = args.fsdp_shard_ranks or n
+        replicas = n // group
+        gather = 2 if device.type == "cuda" and dtype == "bfloat16" else 4  # training/fsdp.shard_model's policy
+        fsdp = (group - 1) / group * numel * (2 * gather + 4) + 2 * (replicas - 1) / replicas * 4 * numel / group
+        return int(fsdp + steady_received_bytes(muon))
     grads = 4 * sum(p.numel() for p in model.parameters())
     banks = 4 * muon.all_gather_elements()
     return int(2 * (n - 1) / n * grads + (n - 1) / n * banks)

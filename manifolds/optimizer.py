@@ -344,18 +344,12 @@ class ManifoldMuon(torch.optim.Optimizer):
         owners = self.owners() if self.world_size > 1 else None
         active = []  # (name, pieces) of the banks of replicated parameters stepped
         to_solve = []  # (name, this rank's pieces of the bank), in bank order: the order the exchange packs
-        shard_groups = OrderedDict()  # ShardLayout: [(name, pieces)] of sharded parameters (sharded.py)
+        # a matrix without a gradient is left alone; under DDP and FSDP every rank sees the same
+        # ones, so every rank packs the same exchange
+        with_grad = lambda piece: piece.param.grad is not None  # noqa: E731
+        shard_groups = sharded.sharded_banks(self, with_grad)  # ShardLayout: [(name, pieces)] (sharded.py)
         for _, pieces in self.banks():
-            # a matrix without a gradient is left alone; under DDP and FSDP every rank sees the same
-            # ones, so every rank packs the same exchange
-            pieces = [piece for piece in pieces if piece.param.grad is not None]
-            by_layout = OrderedDict()
-            for piece in pieces:
-                if is_sharded(piece.param):
-                    by_layout.setdefault(shard_layout(piece.param), []).append(piece)
-            for layout, subset in by_layout.items():
-                shard_groups.setdefault(layout, []).append((self.bank_name(subset), subset))
-            pieces = [piece for piece in pieces if not is_sharded(piece.param)]
+            pieces = [piece for piece in pieces if with_grad(piece) and not is_sharded(piece.param)]
             if not pieces:
                 continue
             name = self.bank_name(pieces)

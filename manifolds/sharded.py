@@ -510,6 +510,40 @@ def bucket_balance(bucketed, owners, plan, ranks):
                         if sum(load)])
 
 
+def sharded_banks(optimizer, keep=lambda piece: True):
+    """{ShardLayout: [(bank name, pieces)]} of the optimizer's sharded pieces that `keep`, each bank
+    split by layout, in bank order (the same on every rank)."""
+    groups = OrderedDict()
+    for _, pieces in optimizer.banks():
+        by_layout = OrderedDict()
+        for piece in pieces:
+            if is_sharded(piece.param) and keep(piece):
+                by_layout.setdefault(shard_layout(piece.param), []).append(piece)
+        for layout, subset in by_layout.items():
+            groups.setdefault(layout, []).append((optimizer.bank_name(subset), subset))
+    return groups
+
+
+def steady_received_bytes(optimizer):
+    """Bytes this rank receives from the others in a steady sharded step (every matrix with a
+    gradient, the owners holding resident copies): the G parts of the pieces it owns, and its
+    parts of the new W and warm starts of the pieces others own. From the shapes and the plan."""
+    total = 0
+    for layout, banks in sharded_banks(optimizer).items():
+        owners, _ = shard_plan(optimizer, layout, banks)
+        me, grad = layout.rank, optimizer.plan.grad_wire_dtype
+        for _, pieces in banks:
+            for piece in pieces:
+                if owners[piece.key] == me:
+                    total += sum(wire_bytes(box_numel(piece_box(piece, layout, s)), grad)
+                                 for s in range(layout.size) if s != me)
+                else:
+                    rows = dual_rows(piece, layout, me)
+                    dual = (rows.stop - rows.start) * warm_shape(piece)[1] if keeps_warm_start(piece, optimizer.options) else 0
+                    total += 4 * (box_numel(piece_box(piece, layout, me)) + dual)
+    return total
+
+
 def shard_plan(optimizer, layout, banks):
     """(owners {piece.key: rank}, buckets) of one shard group's step: the banks with gradients
     cut into buckets, each balanced over the group's ranks. Every rank must derive the same

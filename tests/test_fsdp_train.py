@@ -97,6 +97,9 @@ def test_fsdp_trains_as_ddp(runs, assign):
     with open(runs["root"] / f"fsdp-{assign}" / "summary.json") as f:
         summary = json.load(f)
     assert summary["status"] == "completed" and max(summary["max_manifold_violation"].values()) <= 1e-4
+    # config.json counts what a rank receives under --fsdp too (FSDP's collectives + the exchange)
+    configs = [json.load(open(runs["root"] / f"{kind}-{assign}" / "config.json")) for kind in ("fsdp", "ddp")]
+    assert configs[0]["comm_bytes_per_step"] > 0 and configs[1]["comm_bytes_per_step"] > 0
     # the eval's weight diagnostics (each matrix gathered whole under --fsdp) are DDP's
     evals = [[row for row in map(json.loads, open(runs["root"] / f"{kind}-{assign}" / "metrics.jsonl"))
               if "val_loss" in row][-1] for kind in ("fsdp", "ddp")]

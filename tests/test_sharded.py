@@ -173,7 +173,8 @@ def rank_main(rank, world_size, store, out_dir, checkpoint_in):
             opt = optimizer(model, case, kind)
             counts = []
             losses = train(model, opt, range(STEPS), rank, world_size, counts=counts)
-            results[f"{case}/{kind}"] = {"losses": losses, "weights": gathered(model), "counts": counts}
+            results[f"{case}/{kind}"] = {"losses": losses, "weights": gathered(model), "counts": counts,
+                                         "steady": sharded.steady_received_bytes(opt) if kind == "muon" else None}
         for layout in LAYOUTS.get(world_size, []):
             on = (init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard")) if layout == "hsdp"
                   else mesh)
@@ -355,6 +356,8 @@ def test_resident_copies_change_the_bytes_not_the_bits(runs, world_size):
         for step, counts in enumerate(later, start=1):
             # out: G only (was W, G and Lambda); back: W and Lambda as before
             assert counts["received"] < 0.75 * sent_again["counts"][step]["received"], (step, counts)
+        # the last step is a steady one: what the trainer's config.json counts (comm_bytes_per_step)
+        assert later[-1]["received"] == resident["steady"], (later[-1], resident["steady"])
 
 
 def test_bf16_gradients_on_the_wire_halve_them_and_stay_on_the_manifolds(runs, alone):
