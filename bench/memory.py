@@ -3,7 +3,8 @@
     python -m bench.memory                      # the four presets at 1, 2, 4 and 8 ranks (counted)
     python -m bench.memory --live               # + 2 gloo ranks on CPU: one real step of each, measured
     python -m bench.memory --live --model gpt2 --n-layer 2 --live-only   # a quicker live check
-    python -m bench.memory --live-only --live-layout fsdp --model gpt2-large  # the meta-device build at scale
+    python -m bench.memory --live-only --live-layout fsdp --model gpt2-large --live-timeout 1800
+                                                # the meta-device build at scale (a slow CPU step)
 
 COUNTED from the tensors of the trainer's own model and optimizer groups built on the meta device
 (no memory allocated): each parameter's fp32 master weight and gradient, AdamW's two moments, and
@@ -191,13 +192,13 @@ def live_bytes(model, muon, adamw):
     return held
 
 
-def live_rank(rank, world, store, out, flags, fsdp):
+def live_rank(rank, world, store, out, flags, fsdp, timeout_s=LIVE_TIMEOUT_S):
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed import fsdp as _  # noqa: F401  (before the process group: train_gpt2.init_distributed says why)
     # a collective that waits longer than this fails (gloo's default is 30 minutes)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=LIVE_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     try:
         args = train_gpt2.parse_args(["--device", "cpu", *flags, *(["--fsdp"] if fsdp else [])])
         train_gpt2.validate_args(args, world_size=world)
@@ -220,9 +221,9 @@ def live_rank(rank, world, store, out, flags, fsdp):
         dist.destroy_process_group()
 
 
-def live(flags, world=2, layouts=(False, True)):
+def live(flags, world=2, layouts=(False, True), timeout_s=LIVE_TIMEOUT_S):
     """{(fsdp, rank): live bytes} of one real step of each layout (fsdp False, True) on `world`
-    gloo ranks."""
+    gloo ranks; a collective waits at most timeout_s, the launch twice that."""
     measured = {}
     with tempfile.TemporaryDirectory() as tmp:
         for fsdp in layouts:
@@ -231,12 +232,13 @@ def live(flags, world=2, layouts=(False, True)):
             # about 12 full runs of tests/test_bench.py did); a spawned rank starts a fresh interpreter
             context = multiprocessing.get_context("spawn")
             procs = [context.Process(target=live_rank, args=(r, world, os.path.join(tmp, f"store{fsdp}"),
-                                                             os.path.join(tmp, f"{fsdp}{r}.pt"), flags, fsdp))
+                                                             os.path.join(tmp, f"{fsdp}{r}.pt"), flags, fsdp,
+                                                             timeout_s))
                      for r in range(world)]
             for p in procs:
                 p.start()
             # a rank that dies leaves the others waiting in a collective: stop them all at once
-            deadline = time.monotonic() + 2 * LIVE_TIMEOUT_S
+            deadline = time.monotonic() + 2 * timeout_s
             while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
                 if any(p.exitcode not in (None, 0) for p in procs):
                     break
@@ -306,6 +308,9 @@ def main(argv=None):
     parser.add_argument("--live-layout", choices=("both", "ddp", "fsdp"), default="both",
                         help="the live check's layouts (fsdp alone: a model whose whole training state per rank "
                              "would not fit this machine twice)")
+    parser.add_argument("--live-timeout", type=int, default=LIVE_TIMEOUT_S,
+                        help="seconds a live rank's collective may wait (the launch: twice that); a larger preset's "
+                             "step on CPU takes longer than the default")
     parser.add_argument("--model", default="gpt2", choices=train_gpt2.MODEL_PRESETS, help="the live check's preset")
     parser.add_argument("--n-layer", type=int, default=None, help="the live check's blocks (default: the preset's)")
     parser.add_argument("--seq-len", type=int, default=64, help="the live check's sequence length")
@@ -325,7 +330,7 @@ def main(argv=None):
         shown = ["--model", args.model] + (["--n-layer", str(args.n_layer)] if args.n_layer else [])
         print(f"LIVE, 2 gloo ranks, one step of {' '.join(shown)}: bytes held, measured / counted")
         layouts = {"both": (False, True), "ddp": (False,), "fsdp": (True,)}[args.live_layout]
-        for (fsdp, rank), held in sorted(live(flags, layouts=layouts).items()):
+        for (fsdp, rank), held in sorted(live(flags, layouts=layouts, timeout_s=args.live_timeout).items()):
             expected = counted_rank(trainer, 2, rank, fsdp)
             expected["exchange_held"] = first_step_exchange(trainer, 2, rank) if fsdp else 0
             shown = CATEGORIES + (("exchange_held",) if fsdp else ())
