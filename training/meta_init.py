@@ -87,7 +87,18 @@ def materialize(model, steps, device, seed):
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         tied.setdefault(id(p), []).append(name)
+    # to_empty allocates a shared parameter once per module that holds it (a transient copy of the
+    # tied embedding's shard, more than a block of GPT-2 large): each is held by its first module
+    # alone while allocated, then tied again
+    others = [(name, names[0]) for names in tied.values() for name in names[1:]]
+    for name, _ in others:
+        module, attr = owner_of(model, name)
+        module._parameters[attr] = None
     model.to_empty(device=device)
+    for name, first in others:
+        module, attr = owner_of(model, name)
+        first_module, first_attr = owner_of(model, first)
+        module._parameters[attr] = first_module._parameters[first_attr]
     tensors = dict(model.named_parameters(remove_duplicate=False))
     for names in tied.values():
         if len({id(tensors[name]) for name in names}) > 1:
@@ -104,6 +115,12 @@ def materialize(model, steps, device, seed):
         if target is not None:
             local(target).copy_(local_part(whole, target).to_local() if is_sharded(target) else whole)
     return model
+
+
+def owner_of(model, name):
+    """(module, attribute) of a parameter's dotted name."""
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
 
 
 def rows_of(target, shape):
