@@ -250,7 +250,7 @@ def resident_valid(optimizer, piece, owner):
     if not optimizer.options.resident:
         return False
     valid = optimizer.resident_record.get(piece.key) == (owner, versions(piece.param))
-    if valid and owner == optimizer_rank(piece) and piece.key not in optimizer.resident_cache:
+    if valid and owner == shard_rank(piece) and piece.key not in optimizer.resident_cache:
         raise RuntimeError(f"internal: resident piece {piece.key} missing from its owner's cache")
     return valid
 
@@ -262,7 +262,8 @@ def versions(p):
     return p._version, local(p)._version
 
 
-def optimizer_rank(piece):
+def shard_rank(piece):
+    """This process's rank in the shard group of the piece's parameter."""
     return shard_layout(piece.param).rank
 
 
@@ -273,7 +274,7 @@ def record_resident(optimizer, pieces, owners):
         return
     for piece in pieces:
         optimizer.resident_record[piece.key] = (owners[piece.key], versions(piece.param))
-        if owners[piece.key] != optimizer_rank(piece):
+        if owners[piece.key] != shard_rank(piece):
             optimizer.resident_cache.pop(piece.key, None)
 
 
@@ -326,13 +327,9 @@ class ShardedStep:
         (so that the shards, and so the checkpoints, always hold the current values)."""
         return self.parts(piece, receiver, (("W", torch.float32),), self.keeps[piece.key])
 
-    def run(self, momenta):
-        """momenta: {id(param): local G}. Writes every new weight and warm start in place."""
-        self.finish(self.send_out(momenta))
-
     def send_out(self, momenta):
-        """2. out: my part of each piece, to its owner, in the owner's order; the exchange in
-        flight (its .wait() gives the bytes received)."""
+        """2. out: my part of each piece (momenta: {id(param): local G}), to its owner, in the
+        owner's order; returns the exchange in flight (an InFlight for finish)."""
         opt, layout, me = self.opt, self.layout, self.layout.rank
         device = local(self.banks[0][1][0].param).device
         sends = []
