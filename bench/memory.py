@@ -202,6 +202,11 @@ def live_rank(rank, world, store, out, flags, fsdp, timeout_s=LIVE_TIMEOUT_S):
     try:
         args = train_gpt2.parse_args(["--device", "cpu", *flags, *(["--fsdp"] if fsdp else [])])
         train_gpt2.validate_args(args, world_size=world)
+        # a tiny model first: the first build loads and initialises torch's DTensor and FSDP2
+        # machinery (~100-130 MiB of this process's memory, whatever the model), which is not the
+        # model's memory
+        tiny = argparse.Namespace(**{**vars(args), "n_layer": 1, "n_head": 2, "n_embd": 32, "vocab_size": 64})
+        train_gpt2.build_model(tiny, torch.device("cpu"), "float32")
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         model = train_gpt2.build_model(args, torch.device("cpu"), "float32")
         build = {"grown": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before,
