@@ -284,6 +284,15 @@ def wire_bytes(numel, dtype):
     return -(-numel * dtype.itemsize // 4) * 4
 
 
+def piece_parts(piece, layout, rank, matrices, dual):
+    """[(name, numel, dtype)] of rank `rank`'s part of `piece`: its box of each of `matrices`
+    ((name, dtype) pairs), then (where `dual`) its rows of the warm start Lambda."""
+    box = box_numel(piece_box(piece, layout, rank))
+    rows = dual_rows(piece, layout, rank)
+    return [(name, box, dtype) for name, dtype in matrices] + \
+        ([("dual", (rows.stop - rows.start) * warm_shape(piece)[1], torch.float32)] if dual else [])
+
+
 class ShardedStep:
     """One step of the sharded pieces of one shard group (module docstring)."""
 
@@ -308,12 +317,7 @@ class ShardedStep:
     # what one rank sends to another, in order, both ways (sizes from the shapes alone)
 
     def parts(self, piece, rank, matrices, dual):
-        """[(name, numel, dtype)] of rank `rank`'s part of `piece`: its box of each of `matrices`
-        ((name, dtype) pairs), then (where `dual`) its rows of the warm start Lambda."""
-        box = box_numel(piece_box(piece, self.layout, rank))
-        rows = dual_rows(piece, self.layout, rank)
-        return [(name, box, dtype) for name, dtype in matrices] + \
-            ([("dual", (rows.stop - rows.start) * warm_shape(piece)[1], torch.float32)] if dual else [])
+        return piece_parts(piece, self.layout, rank, matrices, dual)
 
     def out_parts(self, piece, sender):
         """What `sender` sends the owner of `piece`: its part of G and, unless the owner holds them
@@ -525,19 +529,19 @@ def steady_received_bytes(optimizer):
     """Bytes this rank receives from the others in a steady sharded step (every matrix with a
     gradient, the owners holding resident copies): the G parts of the pieces it owns, and its
     parts of the new W and warm starts of the pieces others own. From the shapes and the plan."""
-    total = 0
+    total, grad = 0, (("G", optimizer.plan.grad_wire_dtype),)
     for layout, banks in sharded_banks(optimizer).items():
         owners, _ = shard_plan(optimizer, layout, banks)
-        me, grad = layout.rank, optimizer.plan.grad_wire_dtype
+        me = layout.rank
         for _, pieces in banks:
             for piece in pieces:
-                if owners[piece.key] == me:
-                    total += sum(wire_bytes(box_numel(piece_box(piece, layout, s)), grad)
-                                 for s in range(layout.size) if s != me)
-                else:
-                    rows = dual_rows(piece, layout, me)
-                    dual = (rows.stop - rows.start) * warm_shape(piece)[1] if keeps_warm_start(piece, optimizer.options) else 0
-                    total += 4 * (box_numel(piece_box(piece, layout, me)) + dual)
+                if owners[piece.key] == me:  # out: G alone (ShardedStep.out_parts of a resident piece)
+                    parts = [part for s in range(layout.size) if s != me
+                             for part in piece_parts(piece, layout, s, grad, False)]
+                else:  # back: ShardedStep.back_parts
+                    parts = piece_parts(piece, layout, me, (("W", torch.float32),),
+                                        keeps_warm_start(piece, optimizer.options))
+                total += sum(wire_bytes(n, dtype) for _, n, dtype in parts)
     return total
 
 
@@ -560,17 +564,16 @@ def step_shard_group(optimizer, layout, banks, owners, bucketed, momenta):
     for index, (step, bucket) in enumerate(zip(steps, bucketed)):
         current = pending
         following = steps[index + 1] if index + 1 < len(steps) else None
-        if following is not None and optimizer.options.overlap:
+        overlap = following is not None and optimizer.options.overlap
+        if overlap:
             # the next bucket's out exchange in flight while this one solves (its parts are
             # other pieces' rows, which this bucket does not write)
             current.wait()
             pending = following.send_out(momenta)
-        held = step.finish(current)
+        held = step.finish(current) + (pending.bytes if overlap else 0)
         del current
-        if following is not None and optimizer.options.overlap:
-            held += pending.bytes
         optimizer.exchange_counts["held"] = max(optimizer.exchange_counts.get("held", 0), held)
-        if following is not None and not optimizer.options.overlap:
+        if following is not None and not overlap:
             pending = following.send_out(momenta)
         for name, _ in bucket:  # a bank cut by buckets: the largest iterations and residual, all fallbacks
             new = optimizer.last_stats.pop(name, None)
