@@ -41,6 +41,7 @@ class SolverOptions:
     scheme: str = "online"     # online: one dual step per training step; admm: ADMM to the budget below
     dual_step: float = 0.25    # online: the dual step, as a fraction of its Newton estimate
     stiefel_dual_step: float = 0.25  # online: the same for (non-square) Stiefel matrices; 0: no dual step
+    sharpen: bool = True       # online: a Newton-Schulz step on the answer's singular values (dual.FullProblem.sharpened)
     iterations: int = 3        # ADMM iterations from a warm start; x2 cold, x2 again for rows < 2 cols
     pullbacks: int = 2         # rounds of B <- Proj_T(pull_back(B)) on ADMM's answer
     rho: float = 0.5           # ADMM penalty from a cold start, relative to ||Proj_T G||_op
@@ -147,6 +148,9 @@ class SolverPlan:
     clip_steps: int      # CLIP_SCHEDULE steps of the clip's and pullbacks' signs (one fewer below fp32:
                          # the last reaches an accuracy such products cannot hold)
     polar_steps: int     # POLAR_SCHEDULE steps of ADMM's starting polar factor (all, at every precision)
+                         # and of the online scheme's sign (one fewer with sharpen below fp32: after 5
+                         # steps within 4.3e-4 of 1, under the bf16 sign's own rounding, and sharpen
+                         # lifts what the sixth would; sharpen=off is the scheme before it, bit for bit)
     exact_sign: tuple    # square Stiefel's msign: ("minimax", 7) at TF32, else ("polar-express", 5 + 2)
     grad_wire: str = "float32"  # the sharded exchange's dtype for G ("bfloat16": exchange_grad bf16)
 
@@ -182,7 +186,8 @@ class SolverPlan:
         return (f"solver on {self.device}: kernels {self.backend}, clip {self.clip}, iterations {self.precision}{sign}, "
                 f"square stiefel exact ({self.exact_sign[0]} {self.exact_sign[1]}), "
                 f"capturable {'on' if self.capturable else 'off'}; " + (
-                    f"online dual: 1 sign per warm step / {ONLINE_COLD} cold, dual step {o.dual_step} (stiefel {o.stiefel_dual_step})"
+                    f"online dual: 1 sign per warm step / {ONLINE_COLD} cold, dual step {o.dual_step} (stiefel {o.stiefel_dual_step}), "
+                    f"sharpen {'on' if o.sharpen else 'off'}"
                     if o.scheme == "online" else
                     f"ADMM {o.iterations} warm / {2 * o.iterations} cold "
                     f"(x2 near-square), pullbacks {o.pullbacks}, rho {o.rho} / {o.rho_warm} x{o.rho_growth}, "
@@ -219,7 +224,9 @@ def plan_for(options, device, dtype=torch.float32):
     # bf16 G halves the out exchange; its rounding (2^-9 relative) is below what the bf16 signs of a
     # GPU's step already round (docs/distributed.md)
     bf16_wire = options.exchange_grad == "bf16" or (options.exchange_grad == "auto" and cuda)
+    sharpened = options.scheme == "online" and options.sharpen
     return SolverPlan(options=options, device=device.type, backend=backend, clip=clip, precision=precision,
                       sign_dtype="float32" if full else "bfloat16", capturable=bool(capturable),
-                      clip_steps=len(CLIP_SCHEDULE) - (0 if full else 1), polar_steps=len(POLAR_SCHEDULE),
+                      clip_steps=len(CLIP_SCHEDULE) - (0 if full else 1),
+                      polar_steps=len(POLAR_SCHEDULE) - (0 if full or not sharpened else 1),
                       exact_sign=exact_sign, grad_wire="bfloat16" if bf16_wire else "float32")

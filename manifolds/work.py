@@ -37,9 +37,12 @@ def matrix_work(manifold, p, q, plan):
                 "retraction": retraction}
     if plan.options.scheme == "online":
         # Proj_T(G) + 2 W C (W^T G, one product with W), one polar factor, M (W^T A), A - W M
-        return {"dual step": 4 * p * q * q * geo.online_steps,
+        work = {"dual step": 4 * p * q * q * geo.online_steps,
                 "msign": sign_work(p, q, plan.polar_steps) * geo.online_steps,
                 "norm": p * q * q + NORM_SQUARINGS * q ** 3, "retraction": retraction}
+        if plan.options.sharpen and geo.orthogonal_columns:
+            work["sharpen"] = p * q * q + 4 * q ** 3  # A R1 and four q x q products (dual.FullProblem.sharpened)
+        return work
     iterations = plan.options.iterations * (2 if p < 2 * q else 1)
     reduced = geo.orthogonal_columns and p >= 2 * q  # ADMM in span[W, G]: on 2q x q problems
     n = 2 * q if reduced else p
