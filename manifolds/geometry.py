@@ -174,6 +174,9 @@ class Stiefel(Manifold):
     def gram_mask(self, q, device):
         return torch.ones(q, q, dtype=torch.bool, device=device)
 
+    def gram_projector(self, S):
+        return S  # P is the identity: no mask to build and apply
+
     def squared_norms(self, W):
         return torch.ones(W.shape[:-2] + W.shape[-1:], dtype=W.dtype, device=W.device)
 

@@ -148,9 +148,7 @@ class SolverPlan:
     clip_steps: int      # CLIP_SCHEDULE steps of the clip's and pullbacks' signs (one fewer below fp32:
                          # the last reaches an accuracy such products cannot hold)
     polar_steps: int     # POLAR_SCHEDULE steps of ADMM's starting polar factor (all, at every precision)
-                         # and of the online scheme's sign (one fewer with sharpen below fp32: after 5
-                         # steps within 4.3e-4 of 1, under the bf16 sign's own rounding, and sharpen
-                         # lifts what the sixth would; sharpen=off is the scheme before it, bit for bit)
+                         # and of the online scheme's sign (one fewer where it sharpens: dual.SHARPENED_SIGN_STEPS)
     exact_sign: tuple    # square Stiefel's msign: ("minimax", 7) at TF32, else ("polar-express", 5 + 2)
     grad_wire: str = "float32"  # the sharded exchange's dtype for G ("bfloat16": exchange_grad bf16)
 
@@ -224,9 +222,8 @@ def plan_for(options, device, dtype=torch.float32):
     # bf16 G halves the out exchange; its rounding (2^-9 relative) is below what the bf16 signs of a
     # GPU's step already round (docs/distributed.md)
     bf16_wire = options.exchange_grad == "bf16" or (options.exchange_grad == "auto" and cuda)
-    sharpened = options.scheme == "online" and options.sharpen
     return SolverPlan(options=options, device=device.type, backend=backend, clip=clip, precision=precision,
                       sign_dtype="float32" if full else "bfloat16", capturable=bool(capturable),
                       clip_steps=len(CLIP_SCHEDULE) - (0 if full else 1),
-                      polar_steps=len(POLAR_SCHEDULE) - (0 if full or not sharpened else 1),
+                      polar_steps=len(POLAR_SCHEDULE),
                       exact_sign=exact_sign, grad_wire="bfloat16" if bf16_wire else "float32")
