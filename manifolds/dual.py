@@ -5,12 +5,16 @@
 manifolds/reference.py states the same computation in plain torch; this module computes it
 batched, through `kernels`, as a `SolverPlan` (manifolds/plan.py) says. Work is on the tall
 orientation (W, G: (..., p, q), p >= q) and G is normalised first (the direction ignores its
-scale, the multiplier does not). Two algorithms, chosen by shape:
+scale, the multiplier does not). By shape and scheme:
 
 * square Stiefel (`exact_square_stiefel`): the optimum is msign(G + 2 W Lambda0) with
   Lambda0 = -P(W^T G + G^T W) / (2 (d_i^2 + d_j^2)): G + 2 W Lambda0 = W skew(W^T G) is already
   tangent, and its polar factor is too. One matrix sign.
-* everything else: ADMM on  max <G, B>,  B tangent,  Z in the unit spectral ball,  B = Z:
+* everything else, scheme "online" (the default): one step of dual descent per training step
+  from the previous step's multiplier (`online_iterations`), its answer sharpened
+  (`FullProblem.sharpened`) on manifolds of orthogonal columns; banks of one shape and manifold
+  stacked (`online_banks`). One matrix sign per matrix and step.
+* everything else, scheme "admm": ADMM on  max <G, B>,  B tangent,  Z in the unit spectral ball,  B = Z:
       B <- Proj_T(Z - U + G / rho);   Z <- clip(B + U);   U <- U + B - Z
   (`admm_iterations`), `clip` capping singular values at 1 (`spectral_clip`). Tall banks
   (rows >= 2 cols) on a manifold of orthogonal columns run it as the equivalent 2q x q problem
