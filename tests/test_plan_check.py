@@ -16,7 +16,7 @@ from manifolds import plan_check
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = textwrap.dedent('''
-    import sys, torch, torch.distributed as dist
+    import os, sys, torch, torch.distributed as dist
     rank, world, store, mode, out = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     if mode != "replicated":
@@ -84,7 +84,10 @@ WORKER = textwrap.dedent('''
     del model, opt
     gc.collect()
     dist.destroy_process_group()
-    sys.exit(code)
+    # and no interpreter teardown after it: one "resume" run of 2026-12-07 still ended with
+    # "terminate called without an active exception" (SIGABRT) on rank 0 after its error was written
+    sys.stderr.flush()
+    os._exit(code)
 ''')
 
 
