@@ -31,6 +31,7 @@ span reduction's precision fallback is chosen per matrix on the device. Otherwis
 is checked every CHECK_EVERY iterations, one host sync per check.
 """
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -252,10 +253,13 @@ class FullProblem:
         """S = W^T Y (q x q), for sharpened; multiplier(Y) is multiplier_of_cross(S)."""
         return kernels.matmul(self.W.mT, Y, backend=self.backend)
 
+    @cached_property
+    def pair(self):
+        """(d_i^2 + d_j^2), (..., q, q)."""
+        return pair_scale(self.d2)
+
     def multiplier_of_cross(self, S):
         """P(S + S^T) / (d_i^2 + d_j^2) from S = W^T Y: multiplier(Y) in q x q."""
-        if not hasattr(self, "pair"):
-            self.pair = pair_scale(self.d2)
         return self.geo.gram_projector((S + S.mT) / self.pair)
 
     def sharpened(self, A, S, M):
