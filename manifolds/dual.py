@@ -297,6 +297,11 @@ def sharpens(geo, plan):
     return plan.options.sharpen and geo.orthogonal_columns
 
 
+def online_sign_steps(geo, plan):
+    """POLAR_SCHEDULE steps of the online scheme's matrix sign for this manifold (sharpens)."""
+    return plan.polar_steps - (1 if sharpens(geo, plan) else 0)
+
+
 def online_iterations(problem, G, correction, plan):
     """(B, correction, residual, iterations) of dual descent on ||G + 2 W Lambda||_*, one step
     per training step from the previous step's multiplier (ONLINE_COLD steps from a cold start;
@@ -328,8 +333,7 @@ def online_iterations(problem, G, correction, plan):
     C = correction if warm else torch.zeros(W.shape[:-2] + (q, q), dtype=W.dtype, device=W.device)
     steps = geo.online_steps if warm else max(ONLINE_COLD, geo.online_steps)
     previous = None
-    sharpen = sharpens(geo, plan)
-    sign_steps = plan.polar_steps - (1 if sharpen else 0)
+    sharpen, sign_steps = sharpens(geo, plan), online_sign_steps(geo, plan)
     for k in range(steps):
         X = problem.times_W(2.0 * C - M0, G, 1.0)  # Proj_T(G) + 2 W C in one product
         A = polar(X, plan, sign_steps)

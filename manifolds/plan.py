@@ -148,7 +148,7 @@ class SolverPlan:
     clip_steps: int      # CLIP_SCHEDULE steps of the clip's and pullbacks' signs (one fewer below fp32:
                          # the last reaches an accuracy such products cannot hold)
     polar_steps: int     # POLAR_SCHEDULE steps of ADMM's starting polar factor (all, at every precision)
-                         # and of the online scheme's sign (one fewer where it sharpens: dual.SHARPENED_SIGN_STEPS)
+                         # and of the online scheme's sign (one fewer where it sharpens: dual.online_sign_steps)
     exact_sign: tuple    # square Stiefel's msign: ("minimax", 7) at TF32, else ("polar-express", 5 + 2)
     grad_wire: str = "float32"  # the sharded exchange's dtype for G ("bfloat16": exchange_grad bf16)
 
@@ -224,6 +224,5 @@ def plan_for(options, device, dtype=torch.float32):
     bf16_wire = options.exchange_grad == "bf16" or (options.exchange_grad == "auto" and cuda)
     return SolverPlan(options=options, device=device.type, backend=backend, clip=clip, precision=precision,
                       sign_dtype="float32" if full else "bfloat16", capturable=bool(capturable),
-                      clip_steps=len(CLIP_SCHEDULE) - (0 if full else 1),
-                      polar_steps=len(POLAR_SCHEDULE),
+                      clip_steps=len(CLIP_SCHEDULE) - (0 if full else 1), polar_steps=len(POLAR_SCHEDULE),
                       exact_sign=exact_sign, grad_wire="bfloat16" if bf16_wire else "float32")

@@ -316,20 +316,18 @@ class ShardedStep:
 
     # what one rank sends to another, in order, both ways (sizes from the shapes alone)
 
-    def parts(self, piece, rank, matrices, dual):
-        return piece_parts(piece, self.layout, rank, matrices, dual)
-
     def out_parts(self, piece, sender):
         """What `sender` sends the owner of `piece`: its part of G and, unless the owner holds them
         from the last step (`resident`), of W and, once warm, of Lambda."""
         if self.resident[piece.key]:
-            return self.parts(piece, sender, (("G", self.grad_dtype),), False)
-        return self.parts(piece, sender, (("W", torch.float32), ("G", self.grad_dtype)), self.warm[piece.key])
+            return piece_parts(piece, self.layout, sender, (("G", self.grad_dtype),), False)
+        return piece_parts(piece, self.layout, sender, (("W", torch.float32), ("G", self.grad_dtype)),
+                           self.warm[piece.key])
 
     def back_parts(self, piece, receiver):
         """What the owner of `piece` sends `receiver`: its part of the new W and, if kept, Lambda
         (so that the shards, and so the checkpoints, always hold the current values)."""
-        return self.parts(piece, receiver, (("W", torch.float32),), self.keeps[piece.key])
+        return piece_parts(piece, self.layout, receiver, (("W", torch.float32),), self.keeps[piece.key])
 
     def send_out(self, momenta):
         """2. out: my part of each piece (momenta: {id(param): local G}), to its owner, in the

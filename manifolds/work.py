@@ -15,7 +15,7 @@ matrices (its Gram is not diagonal). Integers, so that ties in the
 balancing are exact on every rank.
 """
 from kernels.matrix_sign import CLIP_SCHEDULE
-from manifolds.dual import sharpens
+from manifolds.dual import online_sign_steps, sharpens
 from manifolds.geometry import geometry
 from manifolds.plan import EXACT_PE_STEPS, MUON_STEPS, NORM_SQUARINGS
 
@@ -38,11 +38,10 @@ def matrix_work(manifold, p, q, plan):
                 "retraction": retraction}
     if plan.options.scheme == "online":
         # Proj_T(G) + 2 W C (W^T G, one product with W), one polar factor, M (W^T A), A - W M
-        sharpen = sharpens(geo, plan)
         work = {"dual step": 4 * p * q * q * geo.online_steps,
-                "msign": sign_work(p, q, plan.polar_steps - (1 if sharpen else 0)) * geo.online_steps,
+                "msign": sign_work(p, q, online_sign_steps(geo, plan)) * geo.online_steps,
                 "norm": p * q * q + NORM_SQUARINGS * q ** 3, "retraction": retraction}
-        if sharpen:
+        if sharpens(geo, plan):
             work["sharpen"] = p * q * q + 4 * q ** 3  # A R1 and four q x q products (dual.FullProblem.sharpened)
         return work
     iterations = plan.options.iterations * (2 if p < 2 * q else 1)
