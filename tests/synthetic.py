@@ -47,3 +47,24 @@ def train_in_process(data_dir, out_dir, *flags):
         torch.set_num_threads(threads)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [row["train_loss"] for row in map(json.loads, f) if "train_loss" in row]
+
+
+def trainer_in_process(*argv):
+    """`python train_gpt2.py ARGV` run in this process, as its __main__ runs it (errors.run_cli: a
+    mistake is one `error:` line and exit status 2), returned as subprocess.run returns it. For runs
+    that stop on a mistake before training: a subprocess spends about 2 s of CPU importing torch
+    for it. (Tests that a real process prints one line and no traceback run train_gpt2.py itself:
+    test_distributed, test_reliability's missing --data-dir, test_run_sh's flag mistakes.)"""
+    import contextlib
+    import io
+    import subprocess
+
+    import train_gpt2
+    from errors import run_cli
+    out, err, status = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run_cli(train_gpt2.main, [str(arg) for arg in argv])
+        except SystemExit as stop:
+            status = stop.code if isinstance(stop.code, int) else 1
+    return subprocess.CompletedProcess(["train_gpt2.py", *argv], status, out.getvalue(), err.getvalue())

@@ -20,7 +20,7 @@ from data.shards import (EOT_TOKEN, HEADER_BYTES, PartialShard, ShardError, open
                          write_shard)
 from data.writer import SplitWriter
 from errors import UserError
-from synthetic import TINY_MODEL, make_shards
+from synthetic import TINY_MODEL, make_shards, trainer_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARD_TOKENS = 997  # prime, so documents straddle shard boundaries
@@ -423,9 +423,7 @@ def test_datasets_pipeline_over_a_local_folder_matches_files(tmp_path):
 
 
 def run_trainer(data_dir, out_dir, *extra):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), "--data-dir", str(data_dir),
-                           "--out-dir", str(out_dir), *TINY_MODEL, "--max-steps", "1", *extra],
-                          capture_output=True, text=True, timeout=120)
+    return trainer_in_process("--data-dir", data_dir, "--out-dir", out_dir, *TINY_MODEL, "--max-steps", "1", *extra)
 
 
 def _mark_unfinished(data_dir):

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import train_gpt2
 from errors import EXIT_WRITE_FAILED, UserError, WriteError, run_cli
-from synthetic import make_shards
+from synthetic import make_shards, trainer_in_process
 from test_reliability import (ENV, RUN, assert_resumed, command, has_checkpoint, has_rows,
                               killed_after_two_checkpoints, run, start_then, train_losses)
 from training import checkpoints
@@ -197,16 +197,13 @@ def test_a_second_run_into_a_busy_folder_is_refused(data_dir, tmp_path):
 
 def test_degenerate_data_is_an_error_before_training(tmp_path):
     empty_val = make_shards(str(tmp_path / "a"), val_tokens=0)
-    result = subprocess.run(command(1, "--data-dir", empty_val, "--out-dir", str(tmp_path / "o"), *RUN),
-                            capture_output=True, text=True, timeout=120, env=ENV)
+    result = trainer_in_process("--data-dir", empty_val, "--out-dir", tmp_path / "o", *RUN)
     assert "val_000000.bin: the shard holds no tokens" in one_error_line(result)
     short_val = make_shards(str(tmp_path / "b"), val_tokens=20)  # below one 32-token sequence
-    result = subprocess.run(command(1, "--data-dir", short_val, "--out-dir", str(tmp_path / "o"), *RUN),
-                            capture_output=True, text=True, timeout=120, env=ENV)
+    result = trainer_in_process("--data-dir", short_val, "--out-dir", tmp_path / "o", *RUN)
     assert "the val shards hold 20 tokens: fewer than one sequence" in one_error_line(result)
     short_train = make_shards(str(tmp_path / "c"), train_tokens=200)  # 6 sequences < a batch of 8
-    result = subprocess.run(command(1, "--data-dir", short_train, "--out-dir", str(tmp_path / "o"), *RUN),
-                            capture_output=True, text=True, timeout=120, env=ENV)
+    result = trainer_in_process("--data-dir", short_train, "--out-dir", tmp_path / "o", *RUN)
     assert "fewer than one batch of 8 sequences" in one_error_line(result)
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
 
@@ -220,8 +217,7 @@ def test_degenerate_data_is_an_error_before_training(tmp_path):
     (["--cuda-graph", "on", "--solver-opt", "capturable=on", "--assign", "auto"], "--cuda-graph with --assign auto"),
 ])
 def test_non_finite_and_out_of_range_flags_are_refused(data_dir, tmp_path, flags, message):
-    result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *RUN, *flags),
-                            capture_output=True, text=True, timeout=120, env=ENV)
+    result = trainer_in_process("--data-dir", data_dir, "--out-dir", tmp_path / "o", *RUN, *flags)
     assert message in one_error_line(result)
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from synthetic import TINY_MODEL, make_shards
+from synthetic import TINY_MODEL, make_shards, trainer_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train_gpt2.py")
@@ -141,7 +141,8 @@ def test_keep_ckpts_keeps_the_newest_and_their_manifests(data_dir, tmp_path):
 def test_resuming_with_another_model_assignment_or_total_batch_is_refused(data_dir, straight, tmp_path, flags,
                                                                          changed):
     before = {p: os.path.getmtime(straight / p) for p in os.listdir(straight)}
-    result = run(data_dir, tmp_path, "--resume", str(straight / "ckpt_00000030.pt"), *flags)
+    result = trainer_in_process("--data-dir", data_dir, "--out-dir", tmp_path, *RUN, "--resume",
+                                straight / "ckpt_00000030.pt", *flags)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot resume: the checkpoint was written with a "
@@ -260,8 +261,7 @@ def test_divergence_is_recorded_with_its_own_exit_status(data_dir, tmp_path):
     (["--assign", "auto", "--auto-logit-max", "-1"], "--auto-logit-max must be non-negative"),
 ])
 def test_hostile_input_is_one_clean_error_line(data_dir, tmp_path, flags, message):
-    result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *RUN, *flags),
-                            capture_output=True, text=True, timeout=120, env=ENV)
+    result = trainer_in_process("--data-dir", data_dir, "--out-dir", tmp_path / "o", *RUN, *flags)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr

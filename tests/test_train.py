@@ -10,7 +10,7 @@ import torch
 
 import train_gpt2
 from manifolds.assignment import PRESETS
-from synthetic import TINY_MODEL, make_shards
+from synthetic import TINY_MODEL, make_shards, trainer_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -220,7 +220,7 @@ def run_cli(*argv, env=None):
 
 @pytest.mark.parametrize("spec", ["hetro", "attn=sphere", "ffn=stiefel"])
 def test_bad_assign_is_a_clean_error(spec, data_dir, tmp_path):
-    result = run_cli("--assign", spec, "--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *TINY_MODEL)
+    result = trainer_in_process("--assign", spec, "--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *TINY_MODEL)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ")
     assert "Traceback" not in result.stderr
@@ -236,7 +236,7 @@ def test_bad_assign_is_a_clean_error(spec, data_dir, tmp_path):
     (["--optimizer", "adamw"], "pass --assign unconstrained"),
 ])
 def test_bad_flags_are_clean_errors(flags, message, data_dir, tmp_path):
-    result = run_cli("--data-dir", data_dir, "--out-dir", str(tmp_path / "o"), *TINY_MODEL, *flags)
+    result = trainer_in_process("--data-dir", data_dir, "--out-dir", tmp_path / "o", *TINY_MODEL, *flags)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
