@@ -29,16 +29,33 @@ def launch(nproc, out_dir, data_dir, *extra):
     return rows, summary
 
 
+# hetero's eager fp32 runs on 1 and 2 processes, 12 steps: a pair for the world-size check and the
+# references of the GPU path's flags (one launch each, shared)
+HETERO_EAGER = ["--assign", "hetero", "--max-steps", "12", "--eval-every", "6"]
+
+
+@pytest.fixture(scope="module")
+def hetero_eager(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hetero-eager")
+    data_dir = make_shards(str(root / "data"))
+    return data_dir, {nproc: launch(nproc, root / f"eager-{nproc}", data_dir, *HETERO_EAGER) for nproc in (1, 2)}
+
+
 @pytest.mark.parametrize("assign", [["hetero"], ["unconstrained"],
                                     # q, k blocks of one matrix on different ranks
                                     ["hetero-qk"],
                                     # switches at step 4 (rank 0 decides, every rank regroups)
                                     ["auto", "--auto-logit-max", "1e-3"]], ids=lambda a: a[0])
-def test_two_ranks_match_one_rank_with_accumulation(assign, tmp_path):
-    data_dir = make_shards(str(tmp_path / "data"))
-    # 8 sequences per step: 2 ranks x 4, or 1 rank x 4 x accumulation 2
-    two, s2 = launch(2, tmp_path / "two", data_dir, "--assign", *assign)
-    one, s1 = launch(1, tmp_path / "one", data_dir, "--assign", *assign)
+def test_two_ranks_match_one_rank_with_accumulation(assign, tmp_path, request):
+    # 8 sequences per step: 2 ranks x 4, or 1 rank x 4 x accumulation 2; hetero 12 steps, the others 8
+    if assign == ["hetero"]:
+        _, runs = request.getfixturevalue("hetero_eager")
+        (one, s1), (two, s2), steps = runs[1], runs[2], 12
+    else:
+        data_dir = make_shards(str(tmp_path / "data"))
+        two, s2 = launch(2, tmp_path / "two", data_dir, "--assign", *assign)
+        one, s1 = launch(1, tmp_path / "one", data_dir, "--assign", *assign)
+        steps = 8
     # the same decisions (their reasons quote rank 0's first val batch, which differs)
     assert [(s["step"], s["layer"]) for s in s2.get("auto_switches", [])] == \
         [(s["step"], s["layer"]) for s in s1.get("auto_switches", [])]
@@ -46,12 +63,12 @@ def test_two_ranks_match_one_rank_with_accumulation(assign, tmp_path):
         assert [(s["step"], s["layer"]) for s in s2["auto_switches"]] == [(4, 0), (4, 1)]
     losses2 = [r["train_loss"] for r in two if "train_loss" in r]
     losses1 = [r["train_loss"] for r in one if "train_loss" in r]
-    assert len(losses1) == len(losses2) == 8
+    assert len(losses1) == len(losses2) == steps
     for a, b in zip(losses1, losses2, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (losses1, losses2)
     val2 = [(r["step"], r["val_loss"]) for r in two if "val_loss" in r]
     val1 = [(r["step"], r["val_loss"]) for r in one if "val_loss" in r]
-    assert [s for s, _ in val1] == [s for s, _ in val2] == [4, 8]  # --eval-every 4 of 8 steps
+    assert [s for s, _ in val1] == [s for s, _ in val2] == [steps // 2, steps]  # an eval every half
     for (_, a), (_, b) in zip(val1, val2, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a)
     assert s2["world_size"] == 2 and s1["world_size"] == 1
@@ -106,7 +123,7 @@ def losses(rows, key):
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_gpu_path_flags_train_close_to_eager_fp32(nproc, tmp_path):
+def test_gpu_path_flags_train_close_to_eager_fp32(nproc, tmp_path, hetero_eager):
     """--compile (inductor, here on CPU) and --dtype bfloat16 (autocast, here on CPU), the GPU
     defaults, on 1 process and under DDP: 12 steps, losses finite and close to eager fp32.
 
@@ -115,11 +132,10 @@ def test_gpu_path_flags_train_close_to_eager_fp32(nproc, tmp_path):
     roundoff 2^-9 = 0.2%); averaged over a batch the losses move far less (1.1e-4 at most over 16
     steps, measured), so 0.2% has a margin of ten and is still a twentieth of what training does
     to the loss in these steps (about 4%), which a broken path would not track."""
-    data_dir = make_shards(str(tmp_path / "data"))
-    steps = ["--assign", "hetero", "--max-steps", "12", "--eval-every", "6"]
-    eager, _ = launch(nproc, tmp_path / "eager", data_dir, *steps)
-    compiled, s_compiled = launch(nproc, tmp_path / "compiled", data_dir, *steps, "--compile")
-    bf16, s_bf16 = launch(nproc, tmp_path / "bf16", data_dir, *steps, "--dtype", "bfloat16")
+    data_dir, runs = hetero_eager
+    eager, _ = runs[nproc]
+    compiled, s_compiled = launch(nproc, tmp_path / "compiled", data_dir, *HETERO_EAGER, "--compile")
+    bf16, s_bf16 = launch(nproc, tmp_path / "bf16", data_dir, *HETERO_EAGER, "--dtype", "bfloat16")
     assert json.load(open(tmp_path / "compiled" / "config.json"))["compile"] is True
     assert json.load(open(tmp_path / "bf16" / "config.json"))["dtype_resolved"] == "bfloat16"
     reference = losses(eager, "train_loss") + losses(eager, "val_loss")
