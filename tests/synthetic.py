@@ -1,4 +1,5 @@
-"""Small learnable token data for trainer tests (no corpus, no tokenizer)."""
+"""Small learnable token data for trainer tests (no corpus, no tokenizer), and the trainer run in
+the test's own process."""
 import os
 
 import numpy as np
