@@ -309,7 +309,7 @@ one_at_a_time() {
 # with the runs that can start beside it: cores / N while N or more runs are left, all the cores
 # for a last run that starts alone.
 side_by_side() {
-    local next=0 running=0 stop=on i tag dir rc threads=${OMP_NUM_THREADS:-} live live_file cores busy=0 left
+    local next=0 running=0 stop=on i tag dir rc threads=${OMP_NUM_THREADS:-} live cores busy=0 left
     local -a pid=() held=() live_pids=()
     cores=$(count_cores)
     if [ -n "$threads" ]; then echo "== up to $JOBS_N runs at a time$JOBS_WHY, OMP_NUM_THREADS=$threads each"
@@ -318,7 +318,8 @@ side_by_side() {
     STOPPING=0
     # which runs are live is read through a file: a pipe or $(...) forks a process that a Ctrl-C
     # kills (status 130, which set -e would make this script's), a builtin's redirection does not
-    live_file=$(mktemp)
+    LIVE_FILE=$(mktemp)
+    trap 'rm -f "$LIVE_FILE"' EXIT  # also when set -e ends the script inside the loop
     # Ctrl-C: start no more runs, wait for the running ones to checkpoint. (Set before the runs
     # start: a background command then keeps the default SIGINT, which the trainer turns into a stop.)
     trap 'STOPPING=1' INT TERM
@@ -346,8 +347,8 @@ side_by_side() {
         done
         [ "$running" -gt 0 ] || break
         sleep 0.2 || true  # a Ctrl-C ends the sleep
-        jobs -rp > "$live_file"
-        mapfile -t live_pids < "$live_file"
+        jobs -rp > "$LIVE_FILE"
+        mapfile -t live_pids < "$LIVE_FILE"
         live=" ${live_pids[*]} "
         for i in "${!pid[@]}"; do
             case $live in *" ${pid[$i]} "*) continue ;; esac
@@ -366,7 +367,6 @@ side_by_side() {
         done
     done
     trap - INT TERM
-    rm -f "$live_file"
     if [ "$stop" = unstarted ]; then exit 2; fi
     if [ "$stop" = interrupted ]; then report; exit 4; fi
     if [ "$STOPPING" = 1 ] && [ "$next" -lt "$n" ]; then
