@@ -1,14 +1,23 @@
-"""The trainer trains as it did before the restructuring and the solver rework: every train loss of
-a 30-step tiny CPU run within 5e-5 of tests/golden_losses.json (recorded at 344a3c7; re-recorded by
-`record` when the final renormalisation became an upper bound on ||A||_op, which moved them by at
-most 2.2e-4, and when the online scheme took `sharpen`: up to 1.0e-2, hetero's step-30 loss
-3.4417 -> 3.4329), for four assignments, on the CPU's defaults and on the GPU's control flow (the
+"""The trainer trains as it did before the restructuring and the solver rework: every train loss of a
+30-step tiny CPU run within 5e-5 (unconstrained: 5e-4, below) of tests/golden_losses.json (recorded at
+344a3c7; re-recorded by `record` when the final renormalisation became an upper bound on ||A||_op, which
+moved them by at most 2.2e-4, and when the online scheme took `sharpen`: up to 1.0e-2, hetero's step-30
+loss 3.4417 -> 3.4329), for four assignments, on the CPU's defaults and on the GPU's control flow (the
 sync-free step with the polynomial clip, which a CPU runs too).
 
-The two flows' recorded losses differ by up to a few 1e-4 (none for unconstrained, whose plain Muon
-has no clip), and a rerun reproduces its own flow's to 7e-7: the tolerance sits between the two, and
-each run's plan (config.json's "solver") must be the flow's, so that a plan ignoring --solver-opt
-cannot pass on the other flow's numbers."""
+The two flows' recorded losses differ by up to a few 1e-4 (none for unconstrained, whose plain Muon has
+no clip), and a rerun reproduces its own flow's to 7e-7: the tolerance sits between the two, and each
+run's plan (config.json's "solver") must be the flow's, so that a plan ignoring --solver-opt cannot pass
+on the other flow's numbers.
+
+Unconstrained has its own, wider tolerance because its numbers depend on the machine. The likely cause:
+plain Muon's 5 Polar Express steps lift a gradient's tiny singular values, which carry mostly rounding,
+towards 1, while the manifold steps solve to a fixed point. The CPU's vector width and thread count
+(ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, DNNL_MAX_CPU_ISA, OMP_NUM_THREADS: 11 settings on one
+machine) moved unconstrained's losses from the record by up to 1.5e-4. The other assignments moved by at
+most 7e-6 under 4 of those settings. Muon with 4, 6 or 5 + 1 polish steps moves them by 1.0e-2, 6.6e-3 and
+3.2e-3. Unconstrained's two flows run the same numbers, so its tolerance need not sit below a flow
+difference."""
 import json
 import os
 
@@ -23,7 +32,9 @@ FLOWS = {"cpu": [], "gpu-control-flow": ["--solver-opt", "capturable=on", "--sol
 PLANS = {"cpu": {"clip": "eigh", "capturable": False}, "gpu-control-flow": {"clip": "polynomial", "capturable": True}}
 RUN = ["--max-steps", "30", "--warmup-steps", "5", "--lr", "3e-3", "--min-lr", "3e-4", "--muon-lr", "0.05",
        "--eval-every", "30", "--eval-tokens", "1024"]
-TOLERANCE = 5e-5  # above a rerun's 7e-7, below the two flows' difference
+TOLERANCE = {"hetero": 5e-5, "all-dgram": 5e-5, "all-stiefel": 5e-5,  # above a rerun's 7e-7 and other CPUs' 7e-6,
+             # below the two flows' difference
+             "unconstrained": 5e-4}  # 3x other CPUs' 1.5e-4, under a changed Muon's 3.2e-3
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +61,7 @@ def test_train_losses_match_the_recorded_ones(data_dir, tmp_path, flow, assign):
     losses = train_losses(data_dir, tmp_path, flow, assign)
     assert len(losses) == len(golden) == 30
     worst = max(range(30), key=lambda i: abs(losses[i] - golden[i]))
-    assert abs(losses[worst] - golden[worst]) <= TOLERANCE, \
+    assert abs(losses[worst] - golden[worst]) <= TOLERANCE[assign], \
         f"step {worst + 1}: train loss {losses[worst]:.6f}, recorded {golden[worst]:.6f}"
 
 
