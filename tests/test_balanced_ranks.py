@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo_ranks import end_rank_process
 from manifolds import ManifoldMuon, project_to_manifold
 from manifolds.work import balanced_owners
 from manifolds.work import piece_cost
@@ -149,7 +150,7 @@ def _worker(rank, world, init_file, out_dir, reference):
         after["resumed"] = weights(params)
         torch.save(after, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_rank_process()
 
 
 def test_ranks_match_one_rank_and_their_states_load_either_way(tmp_path, world=8):

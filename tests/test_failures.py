@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 import train_gpt2
 from errors import EXIT_WRITE_FAILED, UserError, WriteError, run_cli
+from gloo_ranks import end_rank_process
 from synthetic import make_shards, trainer_in_process
 from test_reliability import (ENV, RUN, assert_resumed, command, has_checkpoint, has_rows,
                               killed_after_two_checkpoints, run, start_then, train_losses)
@@ -246,7 +247,7 @@ def _shared_check_worker(rank, init_file, folders, outcome):
     except UserError as err:
         outcome[rank] = str(err)
     finally:
-        dist.destroy_process_group()
+        end_rank_process()
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import train_gpt2
+from gloo_ranks import end_rank_process
 from training import meta_init
 
 SEED = 7
@@ -49,7 +50,7 @@ def rank_main(rank, world, store, out, chunk):
         results["memory"] = {"grown": grown, "shard": shard, "whole": whole, "block": block}
         torch.save(results, out)
     finally:
-        dist.destroy_process_group()
+        end_rank_process()
 
 
 @pytest.fixture(scope="module")

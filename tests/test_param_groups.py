@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import train_gpt2
 from errors import UserError
+from gloo_ranks import end_rank_process
 from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation
 from manifolds.assignment import parse_assignment
 from manifolds.param_groups import assigned_matrices, muon_groups
@@ -249,7 +250,7 @@ def rank_main(rank, world_size, store, out_dir):
     try:
         torch.save(train_tiny_llama(rank, world_size), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_rank_process()
 
 
 def test_two_gloo_ranks_end_with_the_weights_of_one_process(tmp_path):

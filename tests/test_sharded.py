@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gloo_ranks import end_rank_process
 from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation, sharded
 
 transformers = pytest.importorskip("transformers")
@@ -217,7 +218,7 @@ def rank_main(rank, world_size, store, out_dir, checkpoint_in):
             results["resharded"] = continue_from(fresh, fresh_opt, checkpoint_in, rank, world_size)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_rank_process()
 
 
 def continue_from(model, opt, path, rank, world_size):

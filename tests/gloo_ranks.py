@@ -1,0 +1,27 @@
+"""The end of a test's rank process (multiprocessing spawn, one rank of a gloo group)."""
+import gc
+import os
+import sys
+import traceback
+
+import torch.distributed as dist
+
+
+def end_rank_process():
+    """Call as a rank's `finally:`. Leaves the group and ends the process at once: exit code 0, or 1
+    after printing the exception in flight.
+
+    Why not return and let the interpreter end: modules, DTensors and collectives' work sit in
+    reference cycles, and at interpreter shutdown a gloo thread can still be finishing with them; the
+    process then aborts (SIGABRT, "terminate called without an active exception") after it has written
+    its results. Seen once each in clean-clone suite runs: test_plan_check's resume worker and, with
+    gc and destroy already done, test_torch_clients' frozen-layer rank 0 (2026-12-07). train_gpt2.main
+    frees the cycles before it destroys the group too; a user's process ends normally after it."""
+    failed = sys.exc_info()[0] is not None
+    if failed:
+        traceback.print_exc()
+    gc.collect()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else 0)
