@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from manifolds import span
 from manifolds.dual import SolverOptions, solve_tall, solve_tall_banks
 from manifolds.geometry import DGramCap, MaskedGram, diagonal_mask, geometry
 from manifolds.optimum import random_point
@@ -39,22 +40,34 @@ def test_stacked_banks_give_the_bank_by_bank_solutions_cold_and_warm(capturable)
         assert a.iterations <= b.iterations  # a stack stops with its slowest bank (capturable: all run the budget)
 
 
-def test_a_rank_deficient_bank_falls_back_alone():
+def test_a_rank_deficient_bank_falls_back_alone(monkeypatch):
     problems = banks(seed=1)
     W, G, m = problems[1]
     g = torch.Generator().manual_seed(0)
-    low = torch.randn(3, W.size(1), 2, generator=g) @ torch.randn(3, 2, W.size(2), generator=g)
-    problems[1] = (W, low + 1e-6 * torch.randn(W.shape, generator=g), m)
-    plan = plan_for(SolverOptions(scheme="admm"), "cpu")
-    together = solve_tall_banks([(W, G, m, None) for W, G, m in problems], plan)
-    for k, ((W, G, m), b) in enumerate(zip(problems, together)):
-        a = solve_tall(W, G, m, None, plan)
-        torch.testing.assert_close(b.A, a.A, rtol=0, atol=2e-5)
-        assert torch.isfinite(b.A).all()
-        # the one device-side fallback (Proj_T G), chosen per matrix: some of the rank-2 bank's
-        # (whose lift is imprecise), none of the other banks'
-        assert int(b.fallbacks) == int(a.fallbacks)
-        assert (int(b.fallbacks) > 0) == (k == 1)
+    low = torch.randn(2, W.size(1), 2, generator=g) @ torch.randn(2, 2, W.size(2), generator=g)
+    G = G.clone()
+    G[:2] = low + 1e-6 * torch.randn(low.shape, generator=g)  # two rank-2 gradients, one of full rank
+    problems[1] = (W, G, m)
+
+    def check(expect_fallbacks):
+        plan = plan_for(SolverOptions(scheme="admm"), "cpu")
+        together = solve_tall_banks([(W, G, m, None) for W, G, m in problems], plan)
+        for k, ((W_k, G_k, m_k), b) in enumerate(zip(problems, together)):
+            a = solve_tall(W_k, G_k, m_k, None, plan)
+            torch.testing.assert_close(b.A, a.A, rtol=0, atol=2e-5)
+            assert torch.isfinite(b.A).all()
+            assert int(b.fallbacks) == int(a.fallbacks)  # chosen per matrix, not per stack
+            if expect_fallbacks is not None:
+                assert int(b.fallbacks) == (expect_fallbacks if k == 1 else 0)
+
+    # At the shipped tolerance a rank-2 gradient's lift is precise to ~1e-4 (the Schur shift bounds
+    # it), and whether a matrix falls back depends on the CPU's rounding (a Cholesky failing by a
+    # rounding: seen on one machine, not on another): the answers must agree and stay finite either way
+    check(None)
+    # 1.5e-5 lies about 6x from both the rank-2 matrices' estimates (9.6e-5, 1.7e-4) and the largest
+    # of the others' (2.7e-6; the same on both machines): exactly the two fall back, alone and stacked
+    monkeypatch.setattr(span, "LIFT_TOLERANCE", 1.5e-5)
+    check(2)
 
 
 def test_masked_gram_is_stiefel_or_dgram_per_matrix():
