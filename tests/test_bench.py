@@ -27,7 +27,10 @@ def test_published_step_runs_on_bf16_dgram(shape):
     assert new.dtype == torch.bfloat16 and new.shape == W.shape
     reference = published_step(W, G, "dgram", 0.02)
     assert torch.isfinite(new.float()).all()
-    assert float((new.float() - reference).abs().max() / reference.abs().max()) < 0.05
+    # bf16 arithmetic through the published step's iterations: 3.4-5.2% of the largest entry, by the
+    # CPU's bf16 matmul (AMX, AVX-512, AVX2: measured under DNNL_MAX_CPU_ISA / MKL_ENABLE_INSTRUCTIONS);
+    # a step that leaves W where it was is 19-23% off
+    assert float((new.float() - reference).abs().max() / reference.abs().max()) < 0.08
 
 
 def test_results_rewrite_the_file_atomically(tmp_path):
