@@ -7,9 +7,9 @@ import traceback
 import torch.distributed as dist
 
 
-def end_rank_process():
-    """Call as a rank's `finally:`. Leaves the group and ends the process at once: exit code 0, or 1
-    after printing the exception in flight.
+def end_rank_process(code=0):
+    """Call as a rank's `finally:` (or last). Leaves the group and ends the process at once: exit code
+    `code`, or 1 after printing the exception in flight.
 
     Why not return and let the interpreter end: modules, DTensors and collectives' work sit in
     reference cycles, and at interpreter shutdown a gloo thread can still be finishing with them; the
@@ -24,4 +24,4 @@ def end_rank_process():
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1 if failed else 0)
+    os._exit(1 if failed else code)

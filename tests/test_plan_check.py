@@ -78,22 +78,17 @@ WORKER = textwrap.dedent('''
         code = 3
     else:
         code = 0
-    # FSDP2's modules and collectives sit in reference cycles: freed now, while the group can finish
-    # them (at interpreter shutdown a gloo thread ending mid-cleanup aborts: train_gpt2.main does the same)
-    import gc
+    # freed, the group left, and no interpreter teardown (gloo_ranks says why: one "resume" run
+    # ended in SIGABRT on rank 0 after its error was written)
+    from gloo_ranks import end_rank_process
     del model, opt
-    gc.collect()
-    dist.destroy_process_group()
-    # and no interpreter teardown after it: one "resume" run of 2026-12-07 still ended with
-    # "terminate called without an active exception" (SIGABRT) on rank 0 after its error was written
-    sys.stderr.flush()
-    os._exit(code)
+    end_rank_process(code)
 ''')
 
 
 def launch(tmp_path, mode):
     """(exit codes, stderr tails, each rank's out file or None) of the worker on 2 ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
     ranks = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(tmp_path / "store"), mode,
                                str(tmp_path / f"out{rank}")], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
