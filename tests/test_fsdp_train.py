@@ -19,7 +19,6 @@ from synthetic import make_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSIGNS = ["hetero", "hetero-inv"]
-TWELVE = ["--total-batch-size", "12"]  # hetero's runs: 6 sequences a rank on 2 ranks, 4 on 3, 12 on 1
 RUN = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--vocab-size", "64",
        "--total-batch-size", "8", "--device", "cpu", "--wandb", "off", "--log-every", "1000", "--max-steps", "30",
        "--warmup-steps", "5", "--lr", "3e-3", "--min-lr", "3e-4", "--muon-lr", "0.05", "--eval-every", "30",
@@ -27,6 +26,8 @@ RUN = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "
 
 
 def launch(nproc, data_dir, out_dir, *extra, expect_ok=True, restarts=0, env=None, total=12):
+    """`total` sequences a step (replacing RUN's 8), one micro-batch per rank unless `extra` says
+    otherwise: hetero's 12 are 6 a rank on 2 ranks, 4 on 3 and 12 on 1."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     args = ["--data-dir", data_dir, "--out-dir", str(out_dir), *RUN, "--total-batch-size", str(total),
             "--batch-size", str(total // nproc), *extra]
