@@ -101,3 +101,96 @@ def test_a_constructor_the_replay_cannot_follow_is_refused():
 
     with pytest.raises(NotImplementedError, match="mul_"):
         meta_init.record(Scaled)
+
+
+# --- what the replay records and what it refuses (one process: unsharded, the same replay) ---
+
+def built_both_ways(build, seed=SEED):
+    """(eager state, its next draw, meta-built state, its next draw) of `build()` from `seed`."""
+    torch.manual_seed(seed)
+    eager = build()
+    eager_next = torch.rand(4)
+    torch.manual_seed(123)  # materialize seeds the generator itself
+    model, steps = meta_init.record(build)
+    replayed = meta_init.materialize(model, steps, torch.device("cpu"), seed)
+    return eager.state_dict(), eager_next, replayed.state_dict(), torch.rand(4)
+
+
+class InitAfterDefault(torch.nn.Module):
+    """A layer's default init (kaiming_uniform_) overwritten by an nn.init function that returns
+    early on a meta tensor: a replay that misses it keeps the default's values."""
+
+    def __init__(self, init, conv=False):
+        super().__init__()
+        self.layer = torch.nn.Conv1d(6, 4, 3) if conv else torch.nn.Linear(24, 40)
+        self.other = torch.nn.Linear(8, 8)  # drawn after: the generator must be where eager leaves it
+        init(self.layer.weight)
+        torch.nn.init.normal_(self.other.weight, std=0.02)
+
+
+@pytest.mark.parametrize("name", ["trunc_normal_", "orthogonal_", "sparse_", "dirac_", "eye_"])
+def test_nn_inits_that_return_early_on_meta_are_recorded_and_replayed_bit_for_bit(name):
+    from torch.nn import init as nn_init
+    inits = {"trunc_normal_": lambda w: nn_init.trunc_normal_(w, std=0.02, a=-0.03, b=0.03),
+             "orthogonal_": lambda w: nn_init.orthogonal_(w, gain=0.5),
+             "sparse_": lambda w: nn_init.sparse_(w, sparsity=0.3),
+             "dirac_": nn_init.dirac_, "eye_": nn_init.eye_}
+    eager, eager_next, replayed, replayed_next = built_both_ways(lambda: InitAfterDefault(inits[name],
+                                                                                          conv=name == "dirac_"))
+    assert eager.keys() == replayed.keys()
+    differ = [k for k in eager if not torch.equal(eager[k], replayed[k])]
+    assert not differ, differ
+    assert torch.equal(eager_next, replayed_next)
+
+
+def test_an_init_imported_by_name_is_recorded_too():
+    from torch.nn.init import orthogonal_  # the same function object: the record sees its code
+
+    eager, _, replayed, _ = built_both_ways(lambda: InitAfterDefault(orthogonal_))
+    assert torch.equal(eager["layer.weight"], replayed["layer.weight"])
+
+
+def test_the_trainers_gpt_built_on_meta_equals_the_eager_build_in_one_process():
+    for qk_norm in (False, True):
+        eager, eager_next, replayed, replayed_next = built_both_ways(lambda: train_gpt2.GPT(config(qk_norm=qk_norm)))
+        assert not [k for k in eager if not torch.equal(eager[k], replayed[k])]
+        assert torch.equal(eager_next, replayed_next)
+
+
+class Computed(torch.nn.Module):
+    """Tensors computed from other tensors in __init__: the replay does not see the computation."""
+
+    def __init__(self):
+        super().__init__()
+        self.fine = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.randn(8) * 0.02)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+        self.register_buffer("mask", torch.tril(torch.ones(5, 5)), persistent=False)
+        self.raw = torch.nn.Parameter(torch.empty(3))  # never initialised
+        self.register_buffer("steps", torch.zeros(()))  # a factory writes it: fine
+
+
+def test_tensors_no_recorded_op_writes_are_refused_in_one_error_naming_each():
+    with pytest.raises(meta_init.ReplayRefused) as refused:
+        meta_init.record(Computed)
+    message = str(refused.value)
+    assert message.count("meta-device build") == 1
+    named = [name for name in ("scale", "inv_freq", "mask", "raw", "fine.weight", "fine.bias", "steps")
+             if name in message.split("(")[0]]
+    assert named == ["scale", "inv_freq", "mask", "raw"], message
+
+
+@pytest.mark.parametrize("via", ["nn.init", "tensor"])
+def test_an_init_with_a_generator_of_its_own_is_refused(via):
+    class Seeded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(4, 4))
+            generator = torch.Generator().manual_seed(0)
+            if via == "nn.init":
+                torch.nn.init.orthogonal_(self.weight, generator=generator)
+            else:
+                self.weight.data.normal_(generator=generator)
+
+    with pytest.raises(meta_init.ReplayRefused, match="generator"):
+        meta_init.record(Seeded)

@@ -16,10 +16,21 @@ it. tests/test_meta_init.py compares every weight, bit for bit, and the generato
 
 What the record takes: in-place initialisers that overwrite the whole tensor (normal_, uniform_,
 fill_, zero_: nn.init's) and factory functions (zeros, full, randn: buffers, and tensors drawn and
-dropped, whose random numbers count too). A constructor that mutates a tensor any other way (a
-mul_ after an init) is refused with an error naming the operation rather than built differently.
+dropped, whose random numbers count too). nn.init's trunc_normal_, orthogonal_, sparse_, dirac_
+and eye_ are recorded by call (WHOLE_INITS): on a meta tensor torch returns from the first four
+before any operation the dispatcher would see (eye_ writes through out=), so the record takes the
+call itself, seen by a profile hook on their code objects (the same function however it was
+imported), and the replay calls the function on the whole tensor, the random numbers an eager
+build draws. What cannot be replayed is refused, never built differently: a constructor that
+mutates a tensor any other way (a mul_ after an init; an error names the operation), an init with
+a generator of its own (its state is not the replay's), and any parameter or buffer that no
+recorded operation writes: values computed from other tensors (`nn.Parameter(torch.randn(n) *
+0.02)`, a rotary inv_freq, a tril mask) or never initialised. One error names all of them.
 """
+import sys
+
 import torch
+from torch.nn import init as nn_init
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -28,45 +39,95 @@ OVERWRITING = {aten.normal_.default, aten.uniform_.default, aten.fill_.Scalar, a
 UNINITIALISED = {aten.empty.memory_format, aten.empty_strided.default}
 
 
+# nn.init functions replayed by call, whole: {code object: function}. trunc_normal_ delegates to
+# _no_grad_trunc_normal_ (where torch returns on meta); either may be called, the outer is recorded.
+WHOLE_INITS = {f.__code__: f for f in (getattr(nn_init, name, None) for name in (
+    "trunc_normal_", "_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_", "eye_")) if f is not None}
+
+
+class ReplayRefused(NotImplementedError):
+    """A constructor the meta-device build cannot replay (module docstring)."""
+
+
 class InitRecorder(TorchDispatchMode):
     """The initialising operations run while it is active, in order (module docstring)."""
 
     def __init__(self):
         super().__init__()
         self.ops = []  # (func, target meta tensor or None, args, kwargs, output)
+        self.refused = []  # what cannot be replayed, in words
+        self.inside = None  # the frame of the WHOLE_INITS call being recorded: its own ops are its
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in OVERWRITING:
+        if self.inside is not None:
+            return out
+        if kwargs.get("generator") is not None:
+            self.refused.append(f"{func} with a generator of its own (the replay draws from the global generator)")
+        elif func in OVERWRITING:
             self.ops.append((func, args[0], args[1:], kwargs, None))
         elif func._schema.is_mutable:
-            raise NotImplementedError(f"meta-device build: the constructor runs {func}, which the replay does not "
-                                      f"handle (only whole-tensor initialisers and factories)")
+            raise ReplayRefused(f"meta-device build: the constructor runs {func}, which the replay does not "
+                                f"handle (only whole-tensor initialisers and factories)")
         elif func not in UNINITIALISED and isinstance(out, torch.Tensor) and \
                 not any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
             self.ops.append((func, None, args, kwargs, out))
         return out
 
+    def profile(self, frame, event, arg):
+        """sys.setprofile hook: a call of a WHOLE_INITS function on a meta tensor is one recorded op."""
+        if event == "call" and self.inside is None and frame.f_code in WHOLE_INITS:
+            code = frame.f_code
+            names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+            values = {name: frame.f_locals[name] for name in names if name in frame.f_locals}
+            tensor = values.pop(names[0], None)
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                self.inside = frame
+                function = WHOLE_INITS[code]
+                if values.get("generator") is not None:
+                    self.refused.append(f"nn.init.{function.__name__.replace('_no_grad_', '')} with a generator "
+                                        f"of its own (the replay draws from the global generator)")
+                else:
+                    self.ops.append((function, tensor, (), values, None))
+        elif event == "return" and frame is self.inside:
+            self.inside = None
+
 
 def record(build):
-    """(model on the meta device, its recorded initialisation) of `build()`."""
+    """(model on the meta device, its recorded initialisation) of `build()`. A ReplayRefused names
+    everything in it the replay cannot reproduce (module docstring)."""
     recorder = InitRecorder()
-    with torch.device("meta"), recorder:
-        model = build()
+    previous = sys.getprofile()
+    sys.setprofile(recorder.profile)
+    try:
+        with torch.device("meta"), recorder:
+            model = build()
+    finally:
+        sys.setprofile(previous)
     names = {}
     for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
         names.setdefault(storage_key(tensor), name)
     # by name: the meta tensors are replaced when the model is sharded
-    steps = []
+    steps, written = [], set()
     for func, target, args, kwargs, out in recorder.ops:
         tensor = target if target is not None else out
         name = names.get(storage_key(tensor))
         if name is not None and tensor.numel() * tensor.element_size() != tensor.untyped_storage().nbytes():
-            raise NotImplementedError(f"meta-device build: the constructor initialises part of {name} ({func}); "
-                                      f"the replay writes whole tensors")
+            raise ReplayRefused(f"meta-device build: the constructor initialises part of {name} ({func}); "
+                                f"the replay writes whole tensors")
+        written.add(name)
         kwargs = {k: v for k, v in kwargs.items() if k != "device"}
         steps.append((func, name, tuple(tensor.shape), tensor.dtype, target is None, args, kwargs))
+    unwritten = [name for name in dict.fromkeys(names.values()) if name not in written]
+    if unwritten:
+        recorder.refused.append(
+            f"{', '.join(unwritten)} written by no initialiser the replay records (values computed from other "
+            f"tensors, e.g. torch.randn(n) * 0.02, a tril mask or a rotary inv_freq, or never initialised): "
+            f"initialise them in place with nn.init (normal_, uniform_, constant_, trunc_normal_, ...) or a "
+            f"factory (torch.zeros, torch.arange, ...)")
+    if recorder.refused:
+        raise ReplayRefused("meta-device build cannot replay this constructor: " + "; ".join(recorder.refused))
     return model, steps
 
 
@@ -107,6 +168,12 @@ def materialize(model, steps, device, seed):
     torch.manual_seed(seed)
     for func, name, shape, dtype, factory, args, kwargs in steps:
         target = tensors.get(name)
+        if not isinstance(func, torch._ops.OpOverload):  # a WHOLE_INITS call: on the whole tensor
+            whole = torch.empty(shape, dtype=dtype)
+            func(whole, **kwargs)  # drawn and dropped where it wrote no parameter or buffer: its draws count
+            if target is not None:
+                local(target).copy_(local_part(whole, target).to_local() if is_sharded(target) else whole)
+            continue
         flat = rows_of(target, shape) if not factory else None
         if flat is not None:  # drawn chunk by chunk: this rank's rows are one flat range
             draw_in_chunks(func, args, kwargs, shape, dtype, flat, None if target is None else local(target))
