@@ -55,9 +55,11 @@ class SolverOptions:
     capturable: object = "auto"  # no host syncs (fixed budgets); auto: on CUDA
     backend: str = "auto"      # kernels: triton, torch, or auto (triton on CUDA)
     solver: str = "fast"       # fast (this plan), or reference: manifolds/reference.py, exact SVDs, slow
-    # the sharded step (manifolds/sharded.py): owners keep each piece's fp32 W and Lambda between
-    # steps, so that only G travels to them; G's dtype on that wire (auto: bf16 on CUDA)
-    resident: bool = True
+    # the sharded step (manifolds/sharded.py): owners keep each piece's W and Lambda between steps,
+    # so that only G travels to them, each step checking by digests that the shards still hold them
+    # (one all-reduce and one host sync a step; off, the default: W and Lambda travel every step,
+    # sync-free; the measured choice in docs/distributed.md); G's dtype on that wire (auto: bf16 on CUDA)
+    resident: bool = False
     exchange_grad: str = "auto"
     overlap: bool = True       # ... and the next bucket's out exchange in flight while one solves
 
@@ -93,7 +95,27 @@ class SolverOptions:
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(f"unknown solver options {unknown}; valid: {names}")
-        return cls(**kwargs)
+        return cls(**{key: parse_option(key, value) for key, value in kwargs.items()})
+
+
+def parse_option(key, value):
+    """A SolverOptions value given to the Python API: text is parsed as --solver-opt KEY=VALUE
+    parses it (a bool field takes on / off / true / false, a number its digits), never taken
+    for its truth ("off" is a non-empty string); a switch given as anything but a bool or such
+    text, a number as a bool, and text that does not parse are a ValueError naming KEY."""
+    default = {f.name: f.default for f in fields(SolverOptions)}[key]
+    kind = solver_value_kind(key, default)
+    if isinstance(value, str) and kind != "str":
+        parsed = parse_solver_value(kind, value)
+        if parsed is None or (kind in ("int", "float") and parsed < 0):
+            raise ValueError(f"solver option {key} takes {SOLVER_VALUE_TEXT[kind]}"
+                             f"{' (>= 0)' if kind in ('int', 'float') else ''}, got {value!r}")
+        return parsed
+    if kind == "switch" and not isinstance(value, bool):
+        raise ValueError(f"solver option {key} takes True / False (or 'on' / 'off'), got {value!r}")
+    if kind in ("int", "float") and isinstance(value, bool):
+        raise ValueError(f"solver option {key} takes {SOLVER_VALUE_TEXT[kind]}, got {value!r}")
+    return value
 
 
 # --- SolverOptions values as text (the trainer's --solver-opt KEY=VALUE) ---------------------------

@@ -10,12 +10,15 @@ work.piece_cost, as under DDP), and one step is
   1. momentum on the local shards: buf <- mu buf + g, G = g + mu buf (the state "momentum_buffer"
      is a DTensor in the parameter's layout, so it shards, saves and reshards with it);
   2. out, one all_to_all_single: each rank sends its part of every piece's G to the owner (in the
-     plan's wire dtype: bf16 on a GPU, fp32 elsewhere; SolverOptions.exchange_grad), and of W (fp32)
-     and its dual warm start Lambda (q x q, a DTensor split on rows) only where the owner holds
-     no resident copy of them from the last step (resident_valid: the first step, after a load
-     or new groups, a weight changed outside the step; SolverOptions.resident);
+     plan's wire dtype: bf16 on a GPU, fp32 elsewhere; SolverOptions.exchange_grad), of W (fp32)
+     and, once warm, of its dual warm start Lambda (q x q, a DTensor split on rows); with
+     SolverOptions.resident on, W and Lambda only where the owner holds no valid resident copy of
+     them (resident_flags: the first step, after a load or new groups, a shard or warm start
+     written outside the step, by any route: digests of what the shards hold decide, not version
+     counters);
   3. the owners assemble their pieces and solve each bank's share in one batched call, exactly as
-     one process does (optimizer._step_banks), and keep the new W and Lambda as resident copies;
+     one process does (optimizer._step_banks), and (resident on) keep the new W, rounded to the
+     parameter's dtype as the shards store it, and Lambda as resident copies;
   4. back, one all_to_all_single: each rank receives its part of every new W and new Lambda (fp32)
      and writes it in place into its local shard (FSDP's sharded storage), so that the shards,
      and the checkpoints made from them, always hold the current values.
@@ -26,11 +29,11 @@ elements of W per rank), the next bucket's step 2 in flight while one solves
 its own: two collectives per bucket (GPT-2 small on 8 ranks: one bucket; XL: 16), their number
 and sizes fixed by the shapes, not by the data; each bucket's owners balanced on their own
 (`buckets`, `bucket_owners`). Per step and rank, summed over the matrices with balanced owners,
-a steady step receives about (P-1)/P^2 (g |W|) out and (P-1)/P^2 4 (|W| + |Lambda|) back, in
-bytes, g = 2 for bf16 G, where |Lambda| = q^2 (0 for plain Muon, the exact square Stiefel step
-and the reference solver, which keep no warm start); a step that sends W and Lambda again adds
-(P-1)/P^2 4 (|W| + |Lambda|) out. For GPT-2 XL hetero at 8 ranks that is 1.13 GB a step against
-2.26 GB with W, G and Lambda all sent in fp32 every step (bench/sharded_bytes.py).
+a step receives about (P-1)/P^2 ((g + 4) |W| + 4 |Lambda|) out and (P-1)/P^2 4 (|W| + |Lambda|)
+back, in bytes, g = 2 for bf16 G, where |Lambda| = q^2 (0 for plain Muon, the exact square
+Stiefel step and the reference solver, which keep no warm start); with valid resident copies the
+out exchange is (P-1)/P^2 g |W|. For GPT-2 XL hetero at 8 ranks: 1.94 GB a step, 1.13 GB with
+resident copies, against 2.26 GB with G in fp32 too (bench/sharded_bytes.py).
 The parts travel as bytes (`exchange`), each padded to 4. `optimizer.exchange_counts` counts
 what a step sent and received.
 
@@ -241,25 +244,63 @@ def dual_rows(piece, layout, index):
     return slice(*chunk_range(warm_shape(piece)[0], layout.size, index))
 
 
-def resident_valid(optimizer, piece, owner):
-    """Whether `owner` holds `piece`'s W and warm start from the last step, as this step needs
-    them (optimizer.resident_record, the same on every rank): the same owner, and this rank's
-    shard of the parameter unchanged since that step wrote it (its version counters). A weight
-    changed outside the step is sent again; such a change must be made on every rank of the shard
-    group (as every DTensor operation is), or the ranks would disagree on what they send."""
+# integer views of each element size, for digest
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def digest(x):
+    """(2,) int64 of the exact bits of x's elements: their sum, and their sum weighted by position
+    (odd weights 1, 3, 5, ...). Any change of one element changes the first, a swap of two the
+    second; integer sums wrap modulo 2^64 and do not depend on the summation's order, so the same
+    bits give the same digest on any device and thread count. What a resident copy's validity is
+    decided by (resident_flags): unlike version counters it sees every write (p.data, the local
+    tensor, torch.distributed.checkpoint's in-place load, collectives)."""
+    bits = x.detach().contiguous().view(INT_OF_SIZE[x.element_size()]).reshape(-1).to(torch.int64)
+    weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64, device=bits.device)
+    return torch.stack([bits.sum(), (bits * weights).sum()])
+
+
+def shard_digests(optimizer, pieces):
+    """{piece.key: (2,) or (4,) int64}: the digest of this rank's local shard of the piece's
+    parameter (one per parameter) and, where it keeps one, of its local rows of the warm start."""
+    of_param, out = {}, {}
+    for piece in pieces:
+        if id(piece.param) not in of_param:
+            of_param[id(piece.param)] = digest(local(piece.param))
+        warm = optimizer.state[piece.param].get(piece.dual_key) if piece.param in optimizer.state else None
+        parts = [of_param[id(piece.param)]] + ([digest(local(warm))] if torch.is_tensor(warm) else [])
+        out[piece.key] = torch.cat(parts)
+    return out
+
+
+def resident_flags(optimizer, layout, pieces, owners):
+    """{piece.key: whether its owner's resident copy of W and the warm start (from the last step)
+    is what the shards hold now}, the same on every rank of the shard group. A copy is valid where
+    the owner is the same as when it was kept and, on every rank, the digest of the local shard and
+    warm start equals the one taken after that step wrote them (record_resident): one small
+    all-reduce of the stale flags over the group, and one host sync to read them (the exchange's
+    sizes depend on them). Without resident copies (SolverOptions.resident off, the default):
+    none, no collective."""
     if not optimizer.options.resident:
-        return False
-    valid = optimizer.resident_record.get(piece.key) == (owner, versions(piece.param))
-    if valid and owner == shard_rank(piece) and piece.key not in optimizer.resident_cache:
-        raise RuntimeError(f"internal: resident piece {piece.key} missing from its owner's cache")
-    return valid
-
-
-def versions(p):
-    """The version counters of a sharded parameter and of its local tensor: an in-place DTensor
-    operation moves the first only, one on the local tensor (FSDP2's, the exchange's writes) the
-    second only."""
-    return p._version, local(p)._version
+        return {piece.key: False for piece in pieces}
+    record = optimizer.resident_record
+    device = local(pieces[0].param).device
+    current = shard_digests(optimizer, pieces)
+    stale = []
+    for piece in pieces:  # one flag per piece, in bank order: the same length on every rank
+        kept = record.get(piece.key)
+        if kept is None or kept[0] != owners[piece.key] or kept[1].shape != current[piece.key].shape:
+            stale.append(torch.ones((), dtype=torch.int32, device=device))
+        else:
+            stale.append((kept[1] != current[piece.key]).any().to(torch.int32))
+    stale = torch.stack(stale)
+    dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=layout.group)
+    flags = {piece.key: not bad for piece, bad in zip(pieces, stale.tolist())}
+    me = layout.rank
+    for piece in pieces:
+        if flags[piece.key] and owners[piece.key] == me and piece.key not in optimizer.resident_cache:
+            raise RuntimeError(f"internal: resident piece {piece.key} missing from its owner's cache")
+    return flags
 
 
 def shard_rank(piece):
@@ -268,12 +309,14 @@ def shard_rank(piece):
 
 
 def record_resident(optimizer, pieces, owners):
-    """After a shard group's step: every piece's owner and this rank's shard version (read by
-    resident_valid next step); the owner's cache keeps only what it owns."""
+    """After a shard group's step wrote the shards: every piece's owner and the digest of this
+    rank's shard and warm start (checked by resident_flags next step); the owner's cache keeps
+    only what it owns."""
     if not optimizer.options.resident:
         return
+    digests = shard_digests(optimizer, pieces)
     for piece in pieces:
-        optimizer.resident_record[piece.key] = (owners[piece.key], versions(piece.param))
+        optimizer.resident_record[piece.key] = (owners[piece.key], digests[piece.key])
         if owners[piece.key] != shard_rank(piece):
             optimizer.resident_cache.pop(piece.key, None)
 
@@ -296,9 +339,10 @@ def piece_parts(piece, layout, rank, matrices, dual):
 class ShardedStep:
     """One step of the sharded pieces of one shard group (module docstring)."""
 
-    def __init__(self, optimizer, layout, banks, owners):
+    def __init__(self, optimizer, layout, banks, owners, resident):
         """banks: [(name, pieces)] of one bucket of this group's pieces with gradients, in bank
-        order (the same on every rank); owners: {piece.key: rank} of the group's pieces."""
+        order (the same on every rank); owners: {piece.key: rank} of the group's pieces; resident:
+        {piece.key: whether its owner's resident copy is valid} (resident_flags)."""
         self.opt, self.layout, self.banks = optimizer, layout, banks
         every = [piece for _, pieces in banks for piece in pieces]
         self.owner = {piece.key: owners[piece.key] for piece in every}
@@ -307,7 +351,7 @@ class ShardedStep:
         # the warm start travels once the parameter has stepped (until then it is zero)
         self.warm = {piece.key: self.keeps[piece.key] and bool(optimizer.state[piece.param]["step"] > 0)
                      for piece in every}
-        self.resident = {piece.key: resident_valid(optimizer, piece, self.owner[piece.key]) for piece in every}
+        self.resident = {piece.key: resident[piece.key] for piece in every}
         self.grad_dtype = optimizer.plan.grad_wire_dtype
 
     def pieces_of(self, rank):
@@ -402,9 +446,15 @@ class ShardedStep:
         inputs = lambda piece: whole[piece.key]  # noqa: E731
         computed = opt._step_banks(mine, inputs, keep) if mine else []
         new_W = {piece.key: w for pieces, ws in computed for piece, w in zip(pieces, ws)}
-        if opt.options.resident:  # kept for the next step (resident_valid)
+        if opt.options.resident:  # kept for the next step (resident_flags)
             for piece in self.pieces_of(me):
-                opt.resident_cache[piece.key] = (new_W[piece.key], new_duals.get(piece.key))
+                # rounded as the shards store them (a bf16 parameter holds bf16(new W)), so that
+                # the next step solves from what it would receive without the copy
+                W, dual = new_W[piece.key], new_duals.get(piece.key)
+                W = W.to(piece.param.dtype).to(torch.float32)
+                if dual is not None:
+                    dual = dual.to(opt.state[piece.param][piece.dual_key].dtype).to(torch.float32)
+                opt.resident_cache[piece.key] = (W, dual)
         # 4. back: each rank its part of every new W and Lambda I computed
         sends = []
         for dest in range(layout.size):
@@ -525,17 +575,22 @@ def sharded_banks(optimizer, keep=lambda piece: True):
 
 def steady_received_bytes(optimizer):
     """Bytes this rank receives from the others in a steady sharded step (every matrix with a
-    gradient, the owners holding resident copies): the G parts of the pieces it owns, and its
-    parts of the new W and warm starts of the pieces others own. From the shapes and the plan."""
-    total, grad = 0, (("G", optimizer.plan.grad_wire_dtype),)
+    gradient, the owners holding valid resident copies where SolverOptions.resident is on): the G
+    parts (and, without resident copies, the W and warm start parts) of the pieces it owns, and
+    its parts of the new W and warm starts of the pieces others own. From the shapes and the plan."""
+    resident = optimizer.options.resident
+    total = 0
+    out = (("G", optimizer.plan.grad_wire_dtype),) if resident else \
+        (("W", torch.float32), ("G", optimizer.plan.grad_wire_dtype))
     for layout, banks in sharded_banks(optimizer).items():
         owners, _ = shard_plan(optimizer, layout, banks)
         me = layout.rank
         for _, pieces in banks:
             for piece in pieces:
-                if owners[piece.key] == me:  # out: G alone (ShardedStep.out_parts of a resident piece)
+                if owners[piece.key] == me:  # out: ShardedStep.out_parts of a warm piece
+                    warm = not resident and keeps_warm_start(piece, optimizer.options)
                     parts = [part for s in range(layout.size) if s != me
-                             for part in piece_parts(piece, layout, s, grad, False)]
+                             for part in piece_parts(piece, layout, s, out, warm)]
                 else:  # back: ShardedStep.back_parts
                     parts = piece_parts(piece, layout, me, (("W", torch.float32),),
                                         keeps_warm_start(piece, optimizer.options))
@@ -555,9 +610,10 @@ def step_shard_group(optimizer, layout, banks, owners, bucketed, momenta):
     """The step of one shard group's pieces with gradients (banks [(name, pieces)], the same on
     every rank) under its plan (shard_plan: owners, bucketed = the banks cut into buckets)."""
     stats = {}
-    # every bucket's step built before any writes: a parameter whose pieces lie in two buckets is
-    # written by the first, and the resident flags read its version counters (resident_valid)
-    steps = [ShardedStep(optimizer, layout, bucket, owners) for bucket in bucketed]
+    # the resident flags read before any writes (a parameter whose pieces lie in two buckets is
+    # written by the first)
+    resident = resident_flags(optimizer, layout, [piece for _, pieces in banks for piece in pieces], owners)
+    steps = [ShardedStep(optimizer, layout, bucket, owners, resident) for bucket in bucketed]
     pending = steps[0].send_out(momenta) if steps else None
     for index, (step, bucket) in enumerate(zip(steps, bucketed)):
         current = pending

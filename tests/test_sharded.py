@@ -37,11 +37,11 @@ RUNS = [("gpt", "muon"), ("gpt", "sgd"), ("gpt", "clients"), ("llama", "muon"), 
 # other layouts of the GPT, against the same one-process run: matrices split on columns
 # (shard_placement_fn; FSDP2 splits dimension 1 only evenly: 2 ranks), HSDP's 2-D mesh
 # (Replicate, Shard(0)) with one replica, the exchange cut into one bucket per piece; and the
-# exchange without the owners' resident copies (every W and warm start sent each step);
+# exchange with the owners' resident copies (only G sent out in a steady step);
 # G in bf16 on the wire, and the buckets' exchanges one after another (no overlap)
-LAYOUTS = {2: ["cols", "hsdp", "buckets", "resident-off", "bf16-grad", "buckets-serial"],
-           3: ["hsdp", "buckets", "resident-off", "buckets-serial"]}
-WIRE = {"resident-off": {"resident": False}, "bf16-grad": {"exchange_grad": "bf16"},
+LAYOUTS = {2: ["cols", "hsdp", "buckets", "resident-on", "bf16-grad", "buckets-serial"],
+           3: ["hsdp", "buckets", "resident-on", "buckets-serial"]}
+WIRE = {"resident-on": {"resident": True}, "bf16-grad": {"exchange_grad": "bf16"},
         "buckets-serial": {"overlap": False}}
 GPT_SPEC = "attn.q=stiefel,attn.k=oblique,attn.v=dgram,attn.proj=stiefel,mlp.fc=dgram,mlp.proj=none"
 # transformers' GPT-2: Conv1D weights stored (in, out), sharded on their rows = the map's columns
@@ -190,7 +190,8 @@ def rank_main(rank, world_size, store, out_dir, checkpoint_in):
             finally:
                 sharded.EXCHANGE_BUCKET = bucket
             results[f"gpt/muon/{layout}"] = {"losses": losses, "weights": gathered(model),
-                                             "stats": opt.stats(), "counts": counts}
+                                             "stats": opt.stats(), "counts": counts,
+                                             "steady": sharded.steady_received_bytes(opt)}
         if world_size == 2:  # a layout the exchange does not handle: one error naming it
             from torch.distributed.tensor import Shard, distribute_tensor
             two_d = init_device_mesh("cpu", (1, 2))
@@ -349,12 +350,13 @@ def test_columns_and_hsdp_layouts_train_as_one_process(runs, alone, layout, worl
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_resident_copies_change_the_bytes_not_the_bits(runs, world_size):
-    """Owners keep each piece's W and warm start between steps (sharded.resident_valid): every
-    rank's weights equal, bit for bit, those of the exchange that sends them every step, while the
-    steps after the first receive less (G alone travels out), but for a weight changed outside the
-    step (`train` scales one by 0.99 before step 1): it is sent again."""
+    """With resident=on owners keep each piece's W and warm start between steps
+    (sharded.resident_flags): every rank's weights equal, bit for bit, those of the exchange that
+    sends them every step (the default), while the steps after the first receive less (G alone
+    travels out), but for a weight changed outside the step (`train` scales one by 0.99 before
+    step 1): it is sent again (tests/test_resident.py: every route of such a change)."""
     for results in runs[world_size]:
-        resident, sent_again = results["gpt/muon"], results["gpt/muon/resident-off"]
+        resident, sent_again = results["gpt/muon/resident-on"], results["gpt/muon"]
         assert all(torch.equal(resident["weights"][n], sent_again["weights"][n]) for n in resident["weights"])
         first, later = resident["counts"][0], resident["counts"][1:]
         assert first["received"] == sent_again["counts"][0]["received"]  # nothing resident yet
@@ -363,6 +365,7 @@ def test_resident_copies_change_the_bytes_not_the_bits(runs, world_size):
             assert counts["received"] < 0.75 * sent_again["counts"][step]["received"], (step, counts)
         # the last step is a steady one: what the trainer's config.json counts (comm_bytes_per_step)
         assert later[-1]["received"] == resident["steady"], (later[-1], resident["steady"])
+        assert sent_again["counts"][-1]["received"] == sent_again["steady"], sent_again["counts"][-1]
 
 
 def test_bf16_gradients_on_the_wire_halve_them_and_stay_on_the_manifolds(runs, alone):
