@@ -44,6 +44,7 @@ from training.fsdp import build_sharded, check_fsdp_flags, check_replicas, gathe
 from training.sharded_checkpoints import find_sharded_resume, load_sharded, save_sharded, sharded_checkpoint_path
 from training.diagnostics import AttentionProbe, matrix_stats
 from training.qk_clip import QKClip
+from training.nonfinite import adamw_step, clip_or_mark, forget_logits
 from training.run_dir import RunLock, check_out_dir, check_shared_out_dir, clear_run, remove_leftovers
 from training.run_log import RunLog, write_json
 from training.stop import EXIT_DIVERGED, EXIT_INTERRUPTED, StopRequest
@@ -247,6 +248,11 @@ def add_checkpoint_flags(r):
                         "(as does a non-finite loss)")
     r.add_argument("--on-diverge", choices=("stop", "continue"), default="stop",
                    help="stop: checkpoint for post-mortem and exit with status 3; continue: record and go on")
+    r.add_argument("--max-skipped-steps", type=int, default=5, metavar="N",
+                   help="a step whose gradient norm is not finite (a NaN or inf gradient) is skipped: weights, "
+                        "momentum, warm starts and AdamW's state stay as they were (decided on the device), and "
+                        "metrics.jsonl counts it (skipped_steps); N such steps in a row stop the run with an error "
+                        "(exit status 2)")
 
 
 # SolverOptions fields that users choose through flags of their own, not --solver-opt
@@ -294,7 +300,7 @@ def validate_args(args, world_size=None):
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     positive = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "batch_size", "total_batch_size",
-                "max_steps", "eval_every", "eval_tokens", "log_every", "keep_ckpts")
+                "max_steps", "eval_every", "eval_tokens", "log_every", "keep_ckpts", "max_skipped_steps")
     for name in positive:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -964,6 +970,8 @@ class Run:
     val_loss: float = None
     train_loss: float = None
     diverged: dict = None          # the first divergence: its step and diagnostics
+    skipped_steps: int = 0         # steps not applied for a non-finite gradient norm (training/nonfinite.py)
+    skipped_in_row: int = 0        # ... the last of them in a row
     failure: Exception = None      # this rank's error (WriteError, UserError) not yet told to the others
 
     @property
@@ -980,6 +988,7 @@ class StepRecord:
     """What one training step reports besides the loss (run.train_loss)."""
     lr: float
     grad_norm: torch.Tensor        # before clipping
+    skipped: bool                  # not applied: the gradient norm was not finite (training/nonfinite.py)
     stop: bool                     # a stop was requested on some rank
     seconds: float                 # the whole step
     opt_seconds: float             # the optimizers' share
@@ -1151,12 +1160,16 @@ def run_steps(run, prefetch, stop):
         run.steps_done = step + 1
         record = train_step(run, step, prefetch, stop)
         injected_fault(run, step)
+        count_skipped(run, record)
         log_step(run, step, record)
+        stop_after_skipped_steps(run, step)
         evaluated = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
         if evaluated and math.isfinite(run.train_loss):
             evaluate_and_log(run, step)
             exchange_status(run)
-        if run.diverged is None and check_divergence(run, step, record, evaluated) and args.on_diverge == "stop":
+        # a skipped step's loss (NaN where its forward was) is no divergence: the weights did not move
+        if run.diverged is None and not record.skipped and check_divergence(run, step, record, evaluated) \
+                and args.on_diverge == "stop":
             return "diverged"
         if evaluated and run.val_loss is not None and math.isfinite(run.val_loss):
             run.best_val = min(run.best_val, run.val_loss)
@@ -1191,24 +1204,54 @@ def train_step(run, step, prefetch, stop):
                 loss = run.step_model(x, y) / args.grad_accum
             loss.backward()
         loss_sum += loss.detach()
-    grad_norm = whole(torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip or math.inf))
+    injected_nan_gradient(run, step)
+    # a non-finite norm makes every gradient NaN: the optimizers leave what it reaches as it was,
+    # decided on the device (training/nonfinite.py); the host reads the flag with the loss below
+    grad_norm, finite = clip_or_mark(run.model.parameters(), args.grad_clip or math.inf)
+    grad_norm, finite = whole(grad_norm), whole(finite)
     synchronize(run.device)
     t_opt = time.perf_counter()
-    run.adamw.step()
-    run.muon_step()
+    adamw_step(run.adamw, finite)
+    # --fsdp: the sharded Muon step has no mask per matrix (a shard sees only its part of a
+    # gradient), so the flag is read here; that step reads the host itself (manifolds/sharded.py)
+    if not (args.fsdp and not bool(finite)):
+        run.muon_step()
     if run.qk_clip is not None:
+        forget_logits(run.qk_clip, finite)
         run.qk_clip.step()
     run.adamw.zero_grad(set_to_none=True)
     run.muon.zero_grad(set_to_none=not run.graphed)  # a graph reads the gradients it was captured with
     synchronize(run.device)
     t1 = time.perf_counter()
-    # one reduction carries the loss, whether any rank was asked to stop and whether any failed
-    loss_total, stops, failed = all_reduce_sum([loss_sum.item(), float(stop.requested), float(run.failure is not None)],
+    # one reduction carries the loss, whether any rank was asked to stop and whether any failed;
+    # the skip flag is read with the loss (one read, after the step), the same on every rank
+    loss_value, skipped = torch.stack([loss_sum.float(), (~finite).float().to(loss_sum.device)]).tolist()
+    loss_total, stops, failed = all_reduce_sum([loss_value, float(stop.requested), float(run.failure is not None)],
                                                run.env, run.device)
     if failed:
         exchange_status(run)
     run.train_loss = loss_total / run.env.world_size
-    return StepRecord(lr=lr, grad_norm=grad_norm, stop=stops > 0, seconds=t1 - t0, opt_seconds=t1 - t_opt)
+    return StepRecord(lr=lr, grad_norm=grad_norm, skipped=skipped > 0, stop=stops > 0, seconds=t1 - t0,
+                      opt_seconds=t1 - t_opt)
+
+
+def count_skipped(run, record):
+    """The run's count of skipped steps, and of those in a row (training/nonfinite.py)."""
+    if record.skipped:
+        run.skipped_steps += 1
+        run.skipped_in_row += 1
+    else:
+        run.skipped_in_row = 0
+
+
+def stop_after_skipped_steps(run, step):
+    """--max-skipped-steps skipped steps in a row stop the run (every rank: the flag is global)."""
+    n = run.skipped_in_row
+    if n >= run.args.max_skipped_steps:
+        raise UserError(f"{n} steps in a row (steps {step + 2 - n}-{step + 1}) had a non-finite gradient norm and "
+                        f"were skipped (--max-skipped-steps {run.args.max_skipped_steps}); the weights are those "
+                        f"after step {step + 1 - n}. Lower --lr / --muon-lr, check the data, or resume from a "
+                        f"checkpoint")
 
 
 def next_batch(run, prefetch, step, micro):
@@ -1247,10 +1290,15 @@ def log_step(run, step, record):
         # matrices that took the sync-free precision fallback (rare; only logged when it happens)
         fallbacks = {bank: s["fallbacks"] for bank, s in solver.items() if s["fallbacks"]}
         log_row(run, step=step + 1, train_loss=run.train_loss, lr=record.lr, grad_norm=float(record.grad_norm),
+                    skipped=record.skipped, skipped_steps=run.skipped_steps,
                     tokens_per_s=tokens_per_s, step_ms=step_ms, opt_ms=opt_ms,
                 solver_iterations={bank: s["iterations"] for bank, s in solver.items()},
                 solver_residual={bank: s["residual"] for bank, s in solver.items()},
                 **({"solver_fallbacks": fallbacks} if fallbacks else {}))
+    if record.skipped:
+        run.say(f"step {step + 1:6d}: gradient norm {float(record.grad_norm)}: step skipped, weights and optimizer "
+                f"state as they were ({run.skipped_in_row} in a row, {run.skipped_steps} in all)", file=sys.stderr,
+                flush=True)
     if (step + 1) % run.args.log_every == 0 or step == run.start_step:
         run.say(f"step {step + 1:6d}/{run.args.max_steps} | loss {run.train_loss:.4f} | lr {record.lr:.2e} | "
                 f"{step_ms:7.1f} ms (optimizer {opt_ms:6.1f}) | {tokens_per_s:,.0f} tok/s", flush=True)
@@ -1372,7 +1420,8 @@ def finish(run, status, write_failure, wall_s):
     summary = {"status": status, "steps": run.steps_done, "tokens": run.steps_done * run.tokens_per_step,
                "final_val_loss": run.val_loss, "final_train_loss": run.train_loss,
                "max_manifold_violation": max_violations(run.matrices, run.args),
-               "world_size": run.env.world_size, "diverged": run.diverged, "wall_s": wall_s,
+               "world_size": run.env.world_size, "diverged": run.diverged, "skipped_steps": run.skipped_steps,
+               "wall_s": wall_s,
                # a collective: not after a failed write, which only rank 0 met
                "replica_max_abs_diff": replica_max_abs_diff(run.model, run.env) if write_failure is None else None}
     if write_failure is not None:
@@ -1447,6 +1496,17 @@ def injected_fault(run, step):
     if (at is not None and step + 1 == int(at) and run.env.rank == int(os.environ.get("MMUON_FAULT_RANK", "0"))
             and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def injected_nan_gradient(run, step):
+    """Fault injection for tests only, off unless the environment asks (tests/test_reliability.py):
+    MMUON_NAN_GRAD_STEPS=N[,M...] (counted from 1) puts a NaN in one entry of the first gradient of
+    those steps, after the backward (on every rank: under DDP the all-reduce would spread it)."""
+    at = os.environ.get("MMUON_NAN_GRAD_STEPS")
+    if at is not None and step + 1 in {int(s) for s in at.split(",")}:
+        grad = next(p.grad for p in run.model.parameters() if p.grad is not None)
+        with torch.no_grad():
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
 
 
 def injected_write_fault(steps_done):

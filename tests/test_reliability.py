@@ -292,3 +292,140 @@ def test_blown_up_weights_report_a_nan_violation():
     eye, nan = torch.eye(8), torch.full((8, 8), float("nan"))
     plan = [(n, w, "attn.proj", [(n, 0, 8, "stiefel")]) for n, w in (("a", eye), ("b", nan), ("c", eye))]
     assert math.isnan(train_gpt2.max_violations(plan, types.SimpleNamespace(dgram_cap=1.0))["stiefel"])
+
+
+def tensors_differing(a, b, path=""):
+    """Paths of the tensors (nested dicts and lists) that are not bitwise equal in `a` and `b`."""
+    import torch
+    if isinstance(a, torch.Tensor):
+        return [] if isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b) else [path]
+    if isinstance(a, dict):
+        if set(a) != set(b):
+            return [f"{path} keys"]
+        return [d for k in a for d in tensors_differing(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in tensors_differing(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path]
+
+
+def saved_state(out_dir, step, fsdp):
+    """(weights, optimizer states) of checkpoint `step`: Muon's and AdamW's state (their groups'
+    lr is the schedule's, step by step); a DCP folder (--fsdp) read into one dict."""
+    import torch
+    if not fsdp:
+        ckpt = torch.load(out_dir / f"ckpt_{step:08d}.pt", weights_only=False)
+        return ckpt["model"], [ckpt["muon"]["state"], ckpt["adamw"]["state"]]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(out_dir / f"ckpt_{step:08d}.dcp", out_dir / f"whole_{step}.pt")
+    ckpt = torch.load(out_dir / f"whole_{step}.pt", weights_only=False)
+    return ckpt["model"], [{k: v for k, v in ckpt["optim"].items() if "param_groups" not in k}]
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["one-process", "fsdp"])
+def test_a_nan_gradient_step_is_skipped_leaving_weights_and_optimizer_state_bitwise(data_dir, tmp_path, fsdp):
+    """One NaN in one gradient at step 4: steps 3 and 4 end with the same weights and optimizer
+    state, bit for bit (Muon's momenta and warm starts, AdamW's moments and step count); steps 5
+    and 6 train; metrics.jsonl and the summary count the skip. --fsdp in one process: its sharded
+    Muon step and DTensor AdamW."""
+    import torch
+    result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path), *RUN, "--max-steps", "6",
+                                    "--ckpt-every", "1", "--keep-ckpts", "10", "--eval-every", "100",
+                                    *(["--fsdp"] if fsdp else [])),
+                            capture_output=True, text=True, timeout=600, env={**ENV, "MMUON_NAN_GRAD_STEPS": "4"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "step      4: gradient norm nan: step skipped" in result.stderr
+    state = {s: saved_state(tmp_path, s, fsdp) for s in (3, 4, 5, 6)}
+    assert not tensors_differing(state[3], state[4]), tensors_differing(state[3], state[4])
+    assert all(optimizer for optimizer in state[3][1])  # there is state to keep
+    for later in (5, 6):  # the next steps train, from finite weights
+        moved = tensors_differing(state[later - 1][0], state[later][0])
+        assert len(moved) == len(state[later][0])
+        assert all(torch.isfinite(v).all() for v in state[later][0].values())
+    steps = {r["step"]: r for r in rows(tmp_path) if "train_loss" in r}
+    assert [steps[s]["skipped"] for s in range(1, 7)] == [False, False, False, True, False, False]
+    assert [steps[s]["skipped_steps"] for s in range(1, 7)] == [0, 0, 0, 1, 1, 1]
+    assert math.isfinite(steps[6]["train_loss"])
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["status"] == "completed" and summary["skipped_steps"] == 1 and summary["diverged"] is None
+
+
+def test_non_finite_steps_in_a_row_stop_the_run_with_an_error(data_dir, tmp_path):
+    result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path), *RUN, "--max-steps", "8",
+                                    "--max-skipped-steps", "3"),
+                            capture_output=True, text=True, timeout=600, env={**ENV, "MMUON_NAN_GRAD_STEPS": "2,4,5,6"})
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: 3 steps in a row (steps 4-6) had a non-finite gradient norm and were skipped "
+                      "(--max-skipped-steps 3); the weights are those after step 3. Lower --lr / --muon-lr, check "
+                      "the data, or resume from a checkpoint"], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert [(r["step"], r["skipped_steps"]) for r in rows(tmp_path) if "train_loss" in r] == \
+        [(1, 0), (2, 1), (3, 1), (4, 2), (5, 3), (6, 4)]
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "overflow"])
+def test_a_non_finite_norm_makes_every_gradient_nan_and_a_finite_one_clips_as_torch(bad):
+    """clip_or_mark: an overflowing norm of finite entries (inf) must not clip to zero gradients
+    (a step that still moves the weights through the momentum) but mark every gradient."""
+    import torch
+
+    from training.nonfinite import clip_or_mark
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    expected = [p.grad.clone() for p in params]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, g in zip(reference, expected):
+        r.grad = g.clone()
+    torch_norm = torch.nn.utils.clip_grad_norm_(reference, 0.5)
+    got_norm, finite = clip_or_mark(params, 0.5)
+    assert bool(finite) and torch.equal(got_norm, torch_norm)
+    assert all(torch.equal(p.grad, r.grad) for p, r in zip(params, reference))
+    value = {"nan": float("nan"), "inf": float("inf"), "overflow": 1e30}[bad]
+    params[1].grad[2] = value
+    if bad == "overflow":
+        params[0].grad.fill_(1e30)  # every entry finite, the squares' sum is not
+    got_norm, finite = clip_or_mark(params, 0.5)
+    assert not bool(finite) and not torch.isfinite(got_norm)
+    assert all(torch.isnan(p.grad).all() for p in params)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("first", [False, True])
+def test_adamw_step_on_a_non_finite_flag_keeps_parameters_and_state_bitwise(fused, first):
+    """training.nonfinite.adamw_step, both gates: fused AdamW's found_inf and the torch.where one;
+    on the first step too, where the step creates the state."""
+    import torch
+
+    from training.nonfinite import adamw_step
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))]
+    adamw = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=fused)
+    for _ in range(0 if first else 2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        adamw_step(adamw, torch.tensor(True))
+    before = [p.detach().clone() for p in params]
+    state = {id(p): {k: v.clone() for k, v in adamw.state[p].items()} for p in params if p in adamw.state}
+    for p in params:
+        p.grad = torch.full_like(p, float("nan"))
+    adamw_step(adamw, torch.tensor(False))
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    for p in params:
+        kept = state.get(id(p), {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                 "exp_avg_sq": torch.zeros_like(p)})
+        assert set(adamw.state[p]) == set(kept)
+        assert all(torch.equal(adamw.state[p][k], v) for k, v in kept.items()), (p.shape, adamw.state[p])
+    # and the next finite step is the one an AdamW that never saw the skipped step takes
+    twin = [torch.nn.Parameter(b.clone()) for b in before]
+    reference = torch.optim.AdamW(twin, lr=1e-2, weight_decay=0.1, fused=fused)
+    if state:
+        reference.load_state_dict({"state": {i: state[id(p)] for i, p in enumerate(params)},
+                                   "param_groups": adamw.state_dict()["param_groups"]})
+    for p, t in zip(params, twin):
+        p.grad = torch.ones_like(p)
+        t.grad = torch.ones_like(t)
+    adamw_step(adamw, torch.tensor(True))
+    reference.step()
+    assert all(torch.equal(p.detach(), t.detach()) for p, t in zip(params, twin))
