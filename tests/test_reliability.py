@@ -321,16 +321,20 @@ def saved_state(out_dir, step, fsdp):
     return ckpt["model"], [{k: v for k, v in ckpt["optim"].items() if "param_groups" not in k}]
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["one-process", "fsdp"])
-def test_a_nan_gradient_step_is_skipped_leaving_weights_and_optimizer_state_bitwise(data_dir, tmp_path, fsdp):
+@pytest.mark.parametrize("mode", ["one-process", "ddp", "fsdp", "graph"])
+def test_a_nan_gradient_step_is_skipped_leaving_weights_and_optimizer_state_bitwise(data_dir, tmp_path, mode):
     """One NaN in one gradient at step 4: steps 3 and 4 end with the same weights and optimizer
     state, bit for bit (Muon's momenta and warm starts, AdamW's moments and step count); steps 5
-    and 6 train; metrics.jsonl and the summary count the skip. --fsdp in one process: its sharded
-    Muon step and DTensor AdamW."""
+    and 6 train; metrics.jsonl and the summary count the skip. DDP on 2 ranks (the NaN on every
+    rank, as the all-reduce would spread it); --fsdp in one process: its sharded
+    Muon step and DTensor AdamW; graph: the sync-free Muon step replayed from the graph captured at
+    step 3 (--cuda-graph on, emulated on CPU)."""
     import torch
-    result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path), *RUN, "--max-steps", "6",
-                                    "--ckpt-every", "1", "--keep-ckpts", "10", "--eval-every", "100",
-                                    *(["--fsdp"] if fsdp else [])),
+    fsdp = mode == "fsdp"
+    flags = {"one-process": [], "ddp": ["--batch-size", "4"], "fsdp": ["--fsdp"],
+             "graph": ["--solver-opt", "capturable=on", "--cuda-graph", "on"]}
+    result = subprocess.run(command(2 if mode == "ddp" else 1, "--data-dir", data_dir, "--out-dir", str(tmp_path), *RUN, "--max-steps", "6",
+                                    "--ckpt-every", "1", "--keep-ckpts", "10", "--eval-every", "100", *flags[mode]),
                             capture_output=True, text=True, timeout=600, env={**ENV, "MMUON_NAN_GRAD_STEPS": "4"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "step      4: gradient norm nan: step skipped" in result.stderr
