@@ -1018,7 +1018,8 @@ def setup(args, env, cleanup):
             auto.load_state_dict(payload["auto"])
     muon, adamw = build_optimizers(model, args, device, auto)
     matrices = assigned_matrices(model, layer_assignments(args, auto))
-    qk_clip = QKClip([block.attn for block in model.blocks], matrices, args.qk_clip, env.world_size > 1) if args.qk_clip else None
+    qk_clip = QKClip([block.attn for block in model.blocks], matrices, args.qk_clip, env.world_size > 1,
+                     optimizer=muon) if args.qk_clip else None
     run = Run(args=args, env=env, say=say, device=device, autocast=autocast, train_stream=train_stream,
               val_stream=val_stream, batches=batches, model=model, muon=muon, adamw=adamw, matrices=matrices, auto=auto,
               qk_clip=qk_clip)
@@ -1213,7 +1214,7 @@ def train_step(run, step, prefetch, stop):
     t_opt = time.perf_counter()
     adamw_step(run.adamw, finite)
     # --fsdp: the sharded Muon step has no mask per matrix (a shard sees only its part of a
-    # gradient), so the flag is read here; that step reads the host itself (manifolds/sharded.py)
+    # gradient), so the flag is read here: one host sync a step more (training/nonfinite.py)
     if not (args.fsdp and not bool(finite)):
         run.muon_step()
     if run.qk_clip is not None:

@@ -433,3 +433,54 @@ def test_adamw_step_on_a_non_finite_flag_keeps_parameters_and_state_bitwise(fuse
     adamw_step(adamw, torch.tensor(True))
     reference.step()
     assert all(torch.equal(p.detach(), t.detach()) for p, t in zip(params, twin))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_skip_gate_reads_nothing_on_the_host(fused):
+    """clip_or_mark, adamw_step and forget_logits add no host read (no device sync) to a step:
+    counted as tests/test_capturable.py counts them, against torch's own clip and AdamW step (the
+    unfused AdamW reads its step count on the host by itself)."""
+    import torch
+
+    from manifolds.step_graph import HostReadMode
+    from training.nonfinite import adamw_step, clip_or_mark, forget_logits
+
+    class Reads(HostReadMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def host_read(self, _):
+            self.count += 1
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.reads_host(func):
+                self.host_read(func)
+            return func(*args, **(kwargs or {}))
+
+    class Attention:
+        logit_max = torch.zeros(2)
+
+    qk_clip = type("QKClip", (), {"attentions": [Attention()]})()
+
+    def step(gated, bad):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))]
+        adamw = torch.optim.AdamW(params, lr=1e-2, fused=fused)
+        counts = []
+        for value in (1.0, bad):
+            for p in params:
+                p.grad = torch.full_like(p, value)
+            with Reads() as reads:
+                if gated:
+                    _, finite = clip_or_mark(params, 1.0)
+                    adamw_step(adamw, finite)
+                    forget_logits(qk_clip, finite)
+                else:
+                    torch.nn.utils.clip_grad_norm_(params, 1.0)
+                    adamw.step()
+            counts.append(reads.count)
+        return counts
+
+    for bad in (float("nan"), float("inf")):
+        assert step(True, bad) == step(False, bad), bad

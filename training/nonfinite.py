@@ -9,8 +9,8 @@ reaches as it was:
 - ManifoldMuon leaves a matrix whose gradient has a non-finite entry as it was: weight,
   momentum and warm start (its own mask per matrix, on the device; manifolds/optimizer.py).
   Under --fsdp its sharded step has no such mask (a rank sees only its shard of a gradient), and
-  the trainer reads the flag on the host and does not call it (that step syncs with the host
-  anyway); AdamW is gated on the device as below.
+  the trainer reads the flag on the host and does not call it: one host sync a step more, before
+  the Muon step (the loss is read after it in any case); AdamW is gated on the device as below.
 - torch's AdamW (`adamw_step`): fused, its own found_inf (as GradScaler uses it) skips the update
   in the kernel and takes the step count back; otherwise the parameters and their state are kept
   beside the step and chosen back with torch.where (a copy of AdamW's parameters and state for
@@ -65,10 +65,15 @@ def adamw_step(adamw, finite):
             tensor = local(tensor)
             # state the step created (the first step): its initial value, zeros (moments, step 0)
             kept = old[key] if key in old else torch.zeros_like(tensor)
-            tensor.copy_(torch.where(finite.to(tensor.device), tensor, kept))
+            tensor.copy_(torch.where(on(finite, tensor.device), tensor, kept))
 
 
 def forget_logits(qk_clip, finite):
     """QK-Clip's logit maxima of this step dropped where it is skipped (module docstring)."""
     for attention in qk_clip.attentions:
-        attention.logit_max.masked_fill_(~finite.to(attention.logit_max.device), -float("inf"))
+        attention.logit_max.masked_fill_(~on(finite, attention.logit_max.device), -float("inf"))
+
+
+def on(flag, device):
+    """`flag` on `device`: moved only where it is elsewhere (a step count kept on the host)."""
+    return flag if flag.device == device else flag.to(device, non_blocking=True)
