@@ -101,6 +101,9 @@ class Manifold:
     secant_dual = False
     online_dual_option = "dual_step"  # the SolverOptions field holding its dual step (0: no dual, C stays 0)
     polar_retraction = True  # its retraction takes a polar factor (rank balancing prices it: manifolds/work.py)
+    # its set has a size of its own, fixed when a matrix is put on it (the Hyperball's radius): the
+    # optimizer keeps it in its state and passes it to retract_from and violation as `radius`
+    stores_radius = False
     options = ()           # the group options it reads (`configured`), which its groups carry
 
     def configured(self, dgram_cap=1.0):
@@ -253,13 +256,15 @@ class Hyperball(Manifold):
     lambda* W)): no closed form, the solver's scheme runs it on the full matrices.
 
     r is the norm the matrix has when it is put on the manifold: the projection at the start is
-    the identity (the sphere through the initialiser's W keeps its scale), and every step keeps
-    it, R(W - eta A) = (W - eta A) ||W||_F / ||W - eta A||_F with both norms in float64, so the
-    norm's rounding per step is an fp32 rounding of each entry, not a drift (measured ~1e-8
-    relative after 40 to 200 steps; tests/test_hyperball.py asserts 1e-6 after every step). A radius of one's own (r = c sqrt(fan_out / fan_in),
-    say) is a subclass whose `retract` scales to it, registered under another name
-    (docs/api.md). So every W lies on its own sphere: `violation` cannot see a radius it does
-    not store and is 0; the tests compare ||W_t||_F with ||W_0||_F instead.
+    the identity (the sphere through the initialiser's W keeps its scale). ManifoldMuon stores r
+    in its state ("radius" / "radius@<row>" per piece, float64, saved and loaded with it, DCP
+    too: manifolds/sharded.py) and every step retracts to it, R(W - eta A) = (W - eta A) r /
+    ||W - eta A||_F with the norm in float64: the norm's rounding per step (each entry rounded
+    to the weight's dtype) does not accumulate into a drift, as it would if each step kept the
+    current norm (bf16 weights: 2.6e-3 relative in 3,000 steps). `violation(W, radius)` is
+    | ||W||_F - r | / r; without a radius W lies on its own sphere and it is 0. A radius of one's
+    own (r = c sqrt(fan_out / fan_in), say) is a subclass whose `retract` scales to it,
+    registered under another name (docs/api.md).
     """
     name = "hyperball"
     # one multiplier per matrix: 3 secant steps per training step reach 0.9999 of the certified
@@ -267,6 +272,12 @@ class Hyperball(Manifold):
     online_steps = 3
     secant_dual = True
     polar_retraction = False
+
+    @property
+    def stores_radius(self):
+        # a subclass with a radius of its own (docs/api.md's fixed radius) retracts to that one:
+        # its retract_from takes no stored radius
+        return type(self).retract_from is Hyperball.retract_from
 
     def gram_mask(self, q, device):
         raise TypeError("the Hyperball's Gram projector keeps the trace: it is not a mask (use gram_projector)")
@@ -282,13 +293,19 @@ class Hyperball(Manifold):
     def retract(self, X, near=True, backend="auto", tf32_correction=False):
         return X  # the sphere through X: a start keeps its norm
 
-    def retract_from(self, W, X, near=True, backend="auto", tf32_correction=False):
-        # X ||W|| / ||X||: the scale in float64, so the radius carries no per-step norm error
-        scale = frobenius64(W) / frobenius64(X).clamp_min(1e-300)
+    def retract_from(self, W, X, near=True, backend="auto", tf32_correction=False, radius=None):
+        # X r / ||X||, r the stored radius (W's leading shape; None: ||W||, the sphere through W),
+        # the scale in float64, so the radius carries no per-step norm error
+        r = frobenius64(W) if radius is None else torch.as_tensor(radius, dtype=torch.float64, device=X.device)
+        scale = r / frobenius64(X).clamp_min(1e-300)
         return (X.double() * scale[..., None, None]).to(X.dtype)
 
-    def violation(self, W):
-        return torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device)
+    def violation(self, W, radius=None):
+        # | ||W||_F - r | / r against the stored radius r (W's leading shape); none: 0 (its own sphere)
+        if radius is None:
+            return torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device)
+        r = torch.as_tensor(radius, dtype=torch.float64, device=W.device)
+        return ((frobenius64(W) - r).abs() / r).to(W.dtype)
 
 
 def frobenius64(X):
@@ -418,12 +435,16 @@ def project_to_manifold(W, manifold, dgram_cap=1.0, transposed=False):
     return out.mT if stored_wide(W.size(-2), W.size(-1), transposed) else out
 
 
-def manifold_violation(W, manifold, dgram_cap=1.0, transposed=False):
+def manifold_violation(W, manifold, dgram_cap=1.0, transposed=False, radius=None):
     """Distance from the manifold on the tall orientation, as a float (max over a batch);
-    `transposed` as for project_to_manifold.
+    `transposed` as for project_to_manifold; `radius`: the size of a manifold that stores one
+    (the Hyperball's r, kept in ManifoldMuon's state: sharded.stored_radius).
 
     Stiefel: max|W^T W - I|;  DGram: max|Off(W^T W)| / max diag(W^T W);  DGram-cap: the larger
-    of DGram's and the relative excess of the largest column norm over the cap;  none: 0.
+    of DGram's and the relative excess of the largest column norm over the cap;  Hyperball:
+    | ||W||_F - r | / r (0 without r);  none: 0.
     """
+    geo = geometry(manifold, dgram_cap)
+    extra = {"radius": radius} if geo.stores_radius and radius is not None else {}
     with torch.no_grad():
-        return float(geometry(manifold, dgram_cap).violation(tall(W, transposed).double()).max())
+        return float(geo.violation(tall(W, transposed).double(), **extra).max())

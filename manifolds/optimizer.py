@@ -142,8 +142,9 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.options = SolverOptions.from_kwargs(**solver_opts)
         self._unprojected = []  # frozen matrices not yet checked against their manifold (add_param_group)
         self._plan_checked = False  # plan_check at the next step (also after a load or new groups)
-        # the sharded step's resident copies (sharded.resident_valid): {piece.key: (owner, this rank's
-        # shard version)} after each step, and each owner's {piece.key: (W, warm start)}
+        # the sharded step's resident copies (SolverOptions.resident; sharded.resident_flags): {piece.key:
+        # (owner, digest of this rank's shard and warm start)} after each step, and each owner's
+        # {piece.key: (W, warm start)}
         self.resident_record, self.resident_cache = {}, {}
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         manifold=manifold, blocks=None, dgram_cap=dgram_cap, algorithm="muon")
@@ -237,6 +238,8 @@ class ManifoldMuon(torch.optim.Optimizer):
             geo = geometry(manifolds[lo], cap)
             if not geo.constrained:
                 return None
+            if geo.stores_radius:  # the sphere it is put on: its norm now (geometry.Hyperball)
+                sharded.keep_radius(self, p, lo, block)
             violation = geo.violation(tall(block.float(), transposed))
             if bool(violation <= on_manifold_tol(p.dtype)):  # NaN: projected
                 return None
@@ -523,8 +526,11 @@ class ManifoldMuon(torch.optim.Optimizer):
             new_W = W * (1 - eta * decay) - eta * solution.A
         else:
             # the retraction's Gram stays fp32; where the iterations run at TF32 so do its small corrections
+            # a manifold with a radius (the Hyperball) retracts to the stored one, not to ||W||
+            radius = {"radius": sharded.radii(self, pieces, W)} if self._geometry(pieces).stores_radius else {}
             new_W = self._geometry(pieces).retract_from(W, W - eta * solution.A, near=True,
-                                                        backend=self.plan.backend, tf32_correction=self.plan.tf32)
+                                                        backend=self.plan.backend, tf32_correction=self.plan.tf32,
+                                                        **radius)
             keep(pieces, solution.state)
         # tensors, not floats: reading them would sync the device every bank
         self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max(),
@@ -607,9 +613,10 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     def weights_changed(self):
         """Forget the owners' resident copies of sharded matrices (manifolds/sharded.py): the next
-        step sends every W and warm start again. Needed only where the sharded weights or warm
-        starts changed without their version counters moving (an in-place change moves them, and
-        the step notices); called by load_state_dict and add_param_group. Call it on every rank."""
+        step sends every W and warm start again. Not needed for a change of the shards or warm
+        starts by any route (the step compares digests of what they hold: sharded.resident_flags);
+        called by load_state_dict and add_param_group, where the pieces or owners may change. Call
+        it on every rank."""
         self.resident_record.clear()
         self.resident_cache.clear()
 

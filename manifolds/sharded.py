@@ -127,6 +127,56 @@ def keeps_warm_start(piece, options):
     return geo.constrained and not (geo.exact_square_step and rows == cols) and options.solver != "reference"
 
 
+def radius_key(piece):
+    """State key of a piece's stored radius (a manifold with `stores_radius`: the Hyperball's r),
+    "radius" for a whole parameter."""
+    return "radius" if piece.whole else f"radius@{piece.lo}"
+
+
+def stores_radius(piece):
+    return geometry(piece.manifold, piece.group.get("dgram_cap", 1.0)).stores_radius
+
+
+@torch.no_grad()
+def keep_radius(optimizer, param, lo, block):
+    """Store ||block||_F (float64, on the device of param's local part) as the radius of the
+    piece at row lo, the sphere it is put on (ManifoldMuon._project_onto_manifolds: when its
+    group is added, or it is unfrozen; every rank, from the whole matrix)."""
+    whole = lo == 0 and block.size(0) == param.size(0)
+    key = "radius" if whole else f"radius@{lo}"
+    optimizer.state[param][key] = block.detach().double().square().sum().sqrt().to(local(param).device)
+
+
+def stored_radius(optimizer, param, lo=0):
+    """The radius the optimizer keeps for the piece of `param` at row lo (a float64 0-dim tensor;
+    NaN until known: a parameter without values when its group was added), or None: what
+    geometry.manifold_violation(..., radius=) measures a Hyperball matrix against."""
+    if param not in optimizer.state:
+        return None
+    state = optimizer.state[param]
+    return state.get("radius" if lo == 0 and "radius" in state else f"radius@{lo}")
+
+
+def radii(optimizer, pieces, W):
+    """(n,) float64 on W's device: the stored radius of each of a bank's pieces (W: their
+    stacked weights), for the retraction (geometry.Hyperball.retract_from). One not yet known
+    (NaN) becomes ||W||_F now and is kept, on the device, without a sync; a replicated piece
+    without the key (a state loaded from before radii were stored) gets one."""
+    stored = []
+    for piece in pieces:
+        state = optimizer.state[piece.param]
+        r = state.get(radius_key(piece))
+        if r is None:
+            r = torch.full((), float("nan"), dtype=torch.float64, device=W.device)
+            if not is_sharded(piece.param):  # a sharded piece's keys are every rank's (init_state)
+                state[radius_key(piece)] = r
+        stored.append(r)
+    r = torch.stack([x.to(device=W.device, dtype=torch.float64) for x in stored])
+    r = torch.where(torch.isnan(r), W.double().square().sum(dim=(-2, -1)).sqrt(), r)
+    torch._foreach_copy_(stored, list(r.unbind(0)))
+    return r
+
+
 def warm_shape(piece):
     q = min(piece.hi - piece.lo, piece.param.size(1))
     return q, q
@@ -150,6 +200,10 @@ def init_state(optimizer, group, pieces, replicated=False):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
     for piece in pieces:
+        if (replicated or is_sharded(piece.param)) and stores_radius(piece):
+            # set when the matrix was put on its manifold (keep_radius); NaN: not yet known
+            optimizer.state[piece.param].setdefault(radius_key(piece), torch.full(
+                (), float("nan"), dtype=torch.float64, device=local(piece.param).device))
         if not (replicated or is_sharded(piece.param)) or not keeps_warm_start(piece, optimizer.options):
             continue  # (before touching optimizer.state, a defaultdict: no empty entries)
         state = optimizer.state[piece.param]
@@ -256,7 +310,7 @@ def digest(x):
     decided by (resident_flags): unlike version counters it sees every write (p.data, the local
     tensor, torch.distributed.checkpoint's in-place load, collectives)."""
     bits = x.detach().contiguous().view(INT_OF_SIZE[x.element_size()]).reshape(-1).to(torch.int64)
-    weights = torch.arange(1, 2 * bits.numel(), 2, dtype=torch.int64, device=bits.device)
+    weights = torch.arange(1, 2 * bits.numel() + 1, 2, dtype=torch.int64, device=bits.device)  # (empty shard: none)
     return torch.stack([bits.sum(), (bits * weights).sum()])
 
 

@@ -28,8 +28,8 @@ VOCAB, SEQ, BATCH = 64, 8, 4
 EDITS = ["none", "data", "local", "dcp-model", "dcp-optim", "qk-clip", "bf16"]
 
 
-def build(dtype=torch.float32):
-    torch.manual_seed(0)
+def build(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=VOCAB, bos_token_id=0, eos_token_id=0))
@@ -91,6 +91,43 @@ def run(kind, resident, rank, mesh, out_dir):
     return {"weights": weights, "counts": counts}
 
 
+def hyperball_radius(rank, mesh, out_dir):
+    """The Hyperball's radius of sharded matrices: stored from the whole matrix when the group is
+    added, kept by the steps, saved by DCP and loaded into a fresh model's optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from manifolds.sharded import stored_radius
+
+    def sharded_model(seed):
+        model = build(seed=seed)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        groups, _ = manifold_param_groups(model, {"*_proj.weight": "hyperball"}, adamw={"lr": 3e-3})
+        return model, ManifoldMuon(groups, lr=0.05)
+
+    model, opt = sharded_model(0)
+    matrices = {name: p for name, p in model.named_parameters() if name.endswith("_proj.weight")}
+    out = {"start": {name: (float(stored_radius(opt, p)), float(p.detach().full_tensor().double().norm()))
+                     for name, p in matrices.items()}}
+    for index in range(2):
+        step(model, opt, index, rank)
+    out["after"] = {name: (float(stored_radius(opt, p)), float(p.detach().full_tensor().double().norm()))
+                    for name, p in matrices.items()}
+    model_state, optim_state = get_state_dict(model, opt)
+    path = os.path.join(out_dir, "hyperball")
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    fresh, fresh_opt = sharded_model(1)
+    out["fresh"] = {name: float(stored_radius(fresh_opt, p)) for name, p in fresh.named_parameters() if name in matrices}
+    model_state, optim_state = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    out["loaded"] = {name: stored_radius(fresh_opt, p).clone() for name, p in fresh.named_parameters() if name in matrices}
+    return out
+
+
 def rank_main(rank, store, out_dir):
     torch.set_num_threads(1)
     from torch.distributed import checkpoint as _dcp, fsdp as _fsdp  # noqa: F401  (before the group)
@@ -100,6 +137,7 @@ def rank_main(rank, store, out_dir):
         mesh = init_device_mesh("cpu", (2,))
         results = {f"{kind}/{resident}": run(kind, resident, rank, mesh, out_dir)
                    for kind in EDITS for resident in ("on", "off")}
+        results["radius"] = hyperball_radius(rank, mesh, out_dir)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         end_rank_process()
@@ -152,3 +190,29 @@ def test_other_options_given_as_strings_are_parsed_or_refused():
             SolverOptions.from_kwargs(**bad)
     with pytest.raises(ValueError, match="resident"):
         ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], resident="of")
+
+
+def test_the_hyperball_radius_of_sharded_matrices_is_kept_and_goes_through_dcp(results):
+    for rank in results:
+        out = rank["radius"]
+        assert out["start"] == results[0]["radius"]["start"]  # the same on every rank
+        for name, (radius, norm) in out["start"].items():  # the whole matrix's norm (float64 sums)
+            assert abs(radius / norm - 1) <= 1e-12, name
+        for name, (radius, norm) in out["after"].items():
+            assert radius == out["start"][name][0] and abs(norm / radius - 1) <= 1e-6, name
+        for name, loaded in out["loaded"].items():  # the saved radius, not the fresh model's own
+            assert loaded.dtype == torch.float64 and float(loaded) == out["start"][name][0], name
+            assert out["fresh"][name] != out["start"][name][0], name
+
+
+def test_the_digest_sees_every_change_of_bits_and_takes_empty_shards():
+    from manifolds.sharded import digest
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    y = x.clone()
+    y[0, 0], y[3, 2] = x[3, 2], x[0, 0]  # a swap: the plain sum of bits stays, the weighted one moves
+    assert digest(y)[0] == digest(x)[0] and digest(y)[1] != digest(x)[1]
+    z = x.clone()
+    z[5, 4] = torch.nextafter(z[5, 4], torch.tensor(float("inf")))  # one ulp of one entry
+    assert not torch.equal(digest(z), digest(x))
+    assert torch.equal(digest(x.bfloat16()), digest(x.bfloat16().clone()))
+    assert torch.equal(digest(torch.zeros(0, 5)), torch.zeros(2, dtype=torch.int64))  # a rank with no rows
