@@ -11,8 +11,9 @@ COUNTED from the tensors of the trainer's own model and optimizer groups built o
 ManifoldMuon's momentum and dual warm starts, on the rank that holds them (under --fsdp also the
 resident copies of the whole W and warm start of each piece a rank owns, manifolds/sharded.py):
   * DDP: every rank holds every parameter and gradient (and DDP's gradient buckets, as many bytes
-    again), AdamW's state of every parameter, and ManifoldMuon's state of the matrices it owns
-    (work.balanced_owners); in flight, the step's flat all-gather of the new weights.
+    again), AdamW's state of every parameter, and ManifoldMuon's state of every matrix (momentum
+    and warm start: the whole state on every rank); in flight, the step's flat all-gather of the
+    new weights and warm starts.
   * --fsdp: rank r holds rows chunk r of every parameter (torch.chunk's split, as FSDP2), of its
     gradient and of every optimizer state (manifolds/sharded.py); in flight (an ESTIMATE of the
     transients): two blocks' gathered parameters (the one computing and the one prefetched, bf16 as
@@ -280,7 +281,7 @@ def counted_rank(args, world, rank, fsdp):
         held["gradients"] += FP32 * n  # the tensors .grad (DDP's buckets: count())
         if id(p) not in muon_params:
             held["adamw"] += 2 * FP32 * n
-    owned = list(muon.pieces()) if fsdp else muon.owned_pieces()
+    owned = list(muon.pieces())  # DDP: every rank holds every matrix's state (manifolds/optimizer.py)
     for p in dict.fromkeys(piece.param for piece in owned):
         held["manifold_muon"] += FP32 * local_numel(p, world, rank, fsdp)
     for piece in owned:

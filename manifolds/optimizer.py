@@ -37,11 +37,16 @@ Under torch.distributed every piece is computed by one rank, its *owner*: the pi
 balanced over the ranks by an estimate of their cost (work.piece_cost, `balanced_owners`: longest
 first onto the least loaded rank), the same on every rank without communication. A rank solves
 its pieces of a bank together, as one batched solve. The new weights are exchanged with one
-flat all-gather per step: each rank sends its pieces (fp32, flattened, padded to the largest
-rank's volume) and every rank writes all of them. The dual warm start of a piece lives only on
-its owner, the momentum of a parameter on every rank that owns one of its pieces;
-`consolidated_state_dict` gathers them, and `load_state_dict` of a consolidated dict works for
-any world size.
+flat all-gather per step: each rank sends its pieces, each followed by its new dual warm start
+(fp32, flattened, padded to the largest rank's volume), and every rank writes all of them. So
+every rank holds the whole state of the replicated parameters: the momentum of every matrix
+(every rank updates it from its gradient, the same everywhere under DDP, so the momenta stay
+bitwise equal) and every piece's warm start. `state_dict()` on any one rank (rank 0 alone saves
+it in PyTorch Lightning, the transformers Trainer and accelerate) is the whole optimizer state,
+loadable at any world size.
+
+A matrix whose gradient has a non-finite entry (inf, NaN) is left as it was in that step:
+weight, momentum and warm start (a mask per matrix on the device, no host sync); the others step.
 """
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -55,7 +60,8 @@ from manifolds import plan_check, reference, sharded, work
 from manifolds.dual import STAT_FIELDS, STATS, solve_tall_banks
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
 from manifolds.plan import SolverOptions, plan_for
-from manifolds.sharded import is_sharded, local, shard_layout, shard_plan, step_shard_group
+from manifolds.sharded import (is_sharded, keeps_warm_start, local, shard_layout, shard_plan, step_shard_group,
+                               warm_shape)
 from manifolds.work import piece_cost
 
 # group options that may differ inside one bank: they enter the step per matrix
@@ -309,11 +315,6 @@ class ManifoldMuon(torch.optim.Optimizer):
         owners = self.owners()
         return [piece for _, pieces in self.banks() for piece in pieces if owners.get(piece.key) == self.rank]
 
-    def owned(self):
-        """Parameters whose momentum this rank keeps (it owns at least one of their pieces)."""
-        seen = OrderedDict((id(piece.param), piece.param) for piece in self.owned_pieces())
-        return list(seen.values())
-
     def _layout(self, banks, owners):
         """[the pieces each rank sends, in bank order] for these (name, pieces) banks."""
         layout = [[] for _ in range(self.world_size)]
@@ -322,9 +323,15 @@ class ManifoldMuon(torch.optim.Optimizer):
                 layout[owners[piece.key]].append(piece)
         return layout
 
+    def _warm_numel(self, piece):
+        """Elements of a piece's warm start in the exchange: q x q where the solver keeps one."""
+        return warm_shape(piece)[0] * warm_shape(piece)[1] if keeps_warm_start(piece, self.options) else 0
+
     def _exchange_width(self, layout, n_banks):
-        """Elements each rank sends: the largest rank's pieces, then STATS statistics per bank."""
-        return max(sum(piece.weight().numel() for piece in pieces) for pieces in layout) + STATS * n_banks
+        """Elements each rank sends: the largest rank's pieces, each with its warm start, then
+        STATS statistics per bank."""
+        return max(sum(piece.weight().numel() + self._warm_numel(piece) for piece in pieces)
+                   for pieces in layout) + STATS * n_banks
 
     def all_gather_elements(self):
         """Elements of one step's flat all-gather, padded ((N-1)/N of them come from other ranks)."""
@@ -342,6 +349,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         self._project_unfrozen()
         self._step_adamw_groups()
         self.last_stats = {}
+        self._finite = {}  # {id(param): 0-dim bool, its gradient finite} of this step (_momenta)
         # the sharded exchange's fp32 elements this step (sharded.count_exchange)
         self.exchange_counts = {"sent": 0, "received": 0, "collectives": 0, "solved": 0}
         owners = self.owners() if self.world_size > 1 else None
@@ -364,8 +372,11 @@ class ManifoldMuon(torch.optim.Optimizer):
         shard_plans = [(layout, banks, *shard_plan(self, layout, banks)) for layout, banks in shard_groups.items()]
         if not self._plan_checked:  # before any exchange whose sizes the plan sets
             self._check_plan(owners, shard_plans)
-        momenta = self._momenta([piece for _, pieces in to_solve for piece in pieces] +
-                                [piece for banks in shard_groups.values() for _, pieces in banks for piece in pieces])
+        # every rank updates the momentum of every replicated matrix stepped (the whole state on
+        # every rank) and forms G for those it solves; sharded parameters: their local parts
+        sharded_pieces = [piece for banks in shard_groups.values() for _, pieces in banks for piece in pieces]
+        solved = [piece for _, pieces in to_solve for piece in pieces] + sharded_pieces
+        momenta = self._momenta([piece for _, pieces in active for piece in pieces] + sharded_pieces, solved)
         for layout, banks, shard_owners, bucketed in shard_plans:
             step_shard_group(self, layout, banks, shard_owners, bucketed, momenta)
         computed = self._step_banks(to_solve, self._replicated_inputs(momenta)) if to_solve else []
@@ -418,15 +429,29 @@ class ManifoldMuon(torch.optim.Optimizer):
             state["step"] = state["step"].to(p.device, torch.float32)
 
     def _exchange(self, banks, computed, owners):
-        """Every rank's new weights to every rank: one flat all-gather. A rank's buffer is its
-        pieces in bank order (as `_layout` lists them), padded, then per bank the iterations and
-        residual (maxima) and fallbacks (a sum) of its share (-inf where it owns none), so that
-        `stats` covers the whole bank."""
+        """Every rank's new weights and warm starts to every rank: one flat all-gather. A rank's
+        buffer is its pieces in bank order (as `_layout` lists them), each followed by its new warm
+        start where it keeps one (q x q, fp32), padded, then per bank the iterations and residual
+        (maxima) and fallbacks (a sum) of its share (-inf where it owns none), so that `stats`
+        covers the whole bank. Every rank writes every piece's warm start into its state (in
+        place where it has one: a CUDA graph replays on fixed memory), so that each holds the
+        whole state."""
         layout = self._layout(banks, owners)
         width = self._exchange_width(layout, len(banks))
         device = banks[0][1][0].param.device
         send = torch.zeros(width, dtype=torch.float32, device=device)
-        flat = torch.cat([w.reshape(-1) for _, new_W in computed for w in new_W]) if computed else send[:0]
+        parts = []
+        for pieces, new_W in computed:
+            for piece, w in zip(pieces, new_W):
+                parts.append(w.reshape(-1))
+                if self._warm_numel(piece):
+                    warm = self.state[piece.param].get(piece.dual_key)
+                    if warm is None or warm.numel() != self._warm_numel(piece):
+                        raise RuntimeError(f"ManifoldMuon: the solver left no {warm_shape(piece)} warm start for a "
+                                           f"piece of shape {tuple(piece.weight().shape)} ({piece.manifold}) that "
+                                           "keeps one (sharded.keeps_warm_start): the exchange cannot send it")
+                    parts.append(warm.reshape(-1))
+        flat = torch.cat(parts) if parts else send[:0]
         send[:flat.numel()] = flat
         names = [name for name, _ in banks]
         stats = send[width - STATS * len(banks):].view(len(banks), STATS)
@@ -439,7 +464,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         for pieces, new_W in computed:  # this rank's own pieces need not wait for the exchange
             self._write(pieces, new_W)
         handle.wait()
-        targets, sources = [], []  # every other rank's pieces, written by one foreach copy
+        targets, sources = [], []  # every other rank's pieces and warm starts, written by one foreach copy
         for rank, pieces in enumerate(layout):
             if rank == self.rank:
                 continue
@@ -449,6 +474,17 @@ class ManifoldMuon(torch.optim.Optimizer):
                 targets.append(piece.weight())
                 sources.append(received[rank, offset:offset + n].view(piece.weight().shape))
                 offset += n
+                n = self._warm_numel(piece)
+                if n:
+                    warm = received[rank, offset:offset + n].view(warm_shape(piece))
+                    offset += n
+                    state = self.state[piece.param]
+                    old = state.get(piece.dual_key)
+                    if old is not None and old.shape == warm.shape and old.device == warm.device:
+                        targets.append(old)
+                        sources.append(warm)
+                    else:  # the first warm start of this piece here: a tensor of its own
+                        state[piece.dual_key] = warm.clone()
         if targets:
             torch._foreach_copy_(targets, sources)
         shares = received[:, width - STATS * len(banks):].view(self.world_size, len(banks), STATS)
@@ -460,14 +496,21 @@ class ManifoldMuon(torch.optim.Optimizer):
     def _write(pieces, new_W):
         torch._foreach_copy_([piece.weight() for piece in pieces], new_W)
 
-    def _momenta(self, pieces):
-        """{id(param): G} for the parameters of these pieces, updated once per step, with one
-        foreach op per group setting for all of them (not three ops per parameter):
-        buf <- mu buf + g;  G = g + mu buf (Nesterov) or buf. Sharded parameters: their local parts."""
+    def _momenta(self, pieces, solved=None):
+        """{id(param): G} for the parameters of the `solved` pieces (default: all); the momentum of
+        every parameter of `pieces` updated once per step, with one foreach op per group setting
+        for all of them (not three ops per parameter):
+        buf <- mu buf + g;  G = g + mu buf (Nesterov) or buf. Sharded parameters: their local parts.
+
+        A replicated parameter whose gradient has a non-finite entry keeps its momentum: its g is
+        taken as 0 and its mu as 1 (a mask per matrix from the gradient's largest |entry|, on the
+        device: no sync), and self._finite[id(param)] (a 0-dim bool) tells _finish_bank to keep
+        its weight and warm start as they were."""
         by_setting = OrderedDict()
         for piece in pieces:
             group = piece.group
             by_setting.setdefault((group["momentum"], group["nesterov"]), OrderedDict())[id(piece.param)] = piece.param
+        wanted = None if solved is None else {id(piece.param) for piece in solved}
         momenta = {}
         for (mu, nesterov), params in by_setting.items():
             params = list(params.values())
@@ -476,10 +519,24 @@ class ManifoldMuon(torch.optim.Optimizer):
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
             bufs = [local(self.state[p]["momentum_buffer"]) for p in params]
             grads = [local(p.grad).float() for p in params]
-            torch._foreach_mul_(bufs, mu)
+            checked = [i for i, p in enumerate(params) if not is_sharded(p)]  # a shard sees only its part
+            others = [i for i, p in enumerate(params) if is_sharded(p)]
+            if checked:
+                finite = torch.stack(torch._foreach_norm([grads[i] for i in checked], float("inf"))).isfinite()
+                for i, ok in zip(checked, finite.unbind(0)):
+                    grads[i] = torch.where(ok, grads[i], 0.0)
+                    self._finite[id(params[i])] = ok
+                # mu, or 1 for a matrix with a non-finite gradient: its momentum as it was
+                torch._foreach_mul_([bufs[i] for i in checked], list(torch.where(finite, mu, 1.0).unbind(0)))
+            if others:
+                torch._foreach_mul_([bufs[i] for i in others], mu)
             torch._foreach_add_(bufs, grads)
+            keep = [i for i, p in enumerate(params) if wanted is None or id(p) in wanted]
+            if not keep:
+                continue
+            grads, bufs = [grads[i] for i in keep], [bufs[i] for i in keep]
             G = torch._foreach_add(grads, bufs, alpha=mu) if nesterov else torch._foreach_mul(bufs, 1.0)
-            momenta.update((id(p), g) for p, g in zip(params, G))
+            momenta.update((id(params[i]), g) for i, g in zip(keep, G))
         return momenta
 
     def _step_banks(self, banks, matrices, keep=None):
@@ -531,11 +588,30 @@ class ManifoldMuon(torch.optim.Optimizer):
             new_W = self._geometry(pieces).retract_from(W, W - eta * solution.A, near=True,
                                                         backend=self.plan.backend, tf32_correction=self.plan.tf32,
                                                         **radius)
-            keep(pieces, solution.state)
+        finite = self._finite_mask(pieces)
+        if finite is not None:  # a matrix with a non-finite gradient: its weight and warm start as they were
+            new_W = torch.where(finite, new_W, W)
+        if self._geometry(pieces).constrained:
+            keep(pieces, solution.state if finite is None or solution.state is None
+                 else torch.where(finite, solution.state, self._warm_starts(pieces, solution.state)))
         # tensors, not floats: reading them would sync the device every bank
         self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max(),
                                  "fallbacks": solution.fallbacks}
         return [w.mT if piece.wide else w for piece, w in zip(pieces, new_W.unbind(0))]
+
+    def _finite_mask(self, pieces):
+        """(n, 1, 1) bool of a bank's pieces: whether each one's gradient is finite (this step's
+        _momenta); None where it was not checked (sharded parameters)."""
+        finite = getattr(self, "_finite", {})
+        if not pieces or any(id(piece.param) not in finite for piece in pieces):
+            return None
+        return torch.stack([finite[id(piece.param)] for piece in pieces])[:, None, None]
+
+    def _warm_starts(self, pieces, like):
+        """The pieces' warm starts of the last step, stacked as `like`; zero where a piece has none."""
+        old = [self.state[piece.param].get(piece.dual_key) for piece in pieces]
+        return torch.stack([o.to(like.dtype) if o is not None and o.shape == s.shape else torch.zeros_like(s)
+                            for o, s in zip(old, like.unbind(0))])
 
     def _reference_bank(self, pieces, name, W, G, keep):
         """[new weight of each piece] by manifolds/reference.py, matrix by matrix (W, G tall): the
@@ -546,6 +622,9 @@ class ManifoldMuon(torch.optim.Optimizer):
             new, run, residual = reference.step_tall(W_i, G_i, geo, piece.group["lr"], piece.group["weight_decay"])
             iterations, residuals = max(iterations, run), residuals + [residual]
             new_W.append(new.mT if piece.wide else new)
+        finite = self._finite_mask(pieces)
+        if finite is not None:  # a matrix with a non-finite gradient: as it was
+            new_W = [torch.where(ok, new, piece.weight().float()) for piece, ok, new in zip(pieces, finite, new_W)]
         keep(pieces, None)
         self.last_stats[name] = {"iterations": torch.tensor(float(iterations)), "residual": torch.tensor(max(residuals)),
                                  "fallbacks": torch.tensor(0.0)}
@@ -592,10 +671,13 @@ class ManifoldMuon(torch.optim.Optimizer):
     # --- state across world sizes and assignments ------------------------------------------
 
     def consolidated_state_dict(self):
-        """The full state_dict, gathered from the owning ranks (a collective; every rank
-        gets it). Loadable by ManifoldMuon over the same parameters at any world size."""
+        """The full state_dict, loadable by ManifoldMuon over the same parameters at any world
+        size. Every rank holds the whole state of its replicated parameters (module docstring):
+        that is state_dict(), no collective. With sharded parameters (FSDP2) under
+        torch.distributed it is a collective, each rank's state gathered (torch.distributed.checkpoint
+        is their checkpoint: README, Sharded models)."""
         state = super().state_dict()
-        if self.world_size > 1:
+        if self.world_size > 1 and any(is_sharded(p) for group in self.param_groups for p in group["params"]):
             shards = [None] * self.world_size
             dist.all_gather_object(shards, {k: _to_cpu(v) for k, v in state["state"].items()})
             merged = {}
@@ -606,10 +688,20 @@ class ManifoldMuon(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict):
+        """torch's load, but a ManifoldMuon group's state keeps its dtype: torch casts floating
+        state to its parameter's dtype, which would round the fp32 momentum and warm start of a
+        bf16 parameter to bf16 (the "adamw" groups' state follows torch, as AdamW's does). Every
+        rank keeps the whole state it is given (a dict saved by any one rank is the whole state)."""
         super().load_state_dict(state_dict)
+        saved = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [(p, group.get("algorithm") != "adamw") for group in self.param_groups for p in group["params"]]
+        for i, (p, muon) in zip(saved, params):
+            state = self.state.get(p) if muon else None
+            for key, value in (state_dict["state"].get(i, {}) if state else {}).items():
+                if torch.is_tensor(value) and torch.is_tensor(state.get(key)) and value.dtype != state[key].dtype:
+                    state[key] = value.to(device=state[key].device)
         self._plan_checked = False  # a resume: the warm-start flags come from the loaded state
         self.weights_changed()  # the owners' warm starts are the loaded ones now
-        self._drop_unowned()
 
     def weights_changed(self):
         """Forget the owners' resident copies of sharded matrices (manifolds/sharded.py): the next
@@ -620,26 +712,10 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.resident_record.clear()
         self.resident_cache.clear()
 
-    def _drop_unowned(self):
-        pieces = self.owned_pieces()
-        params = {id(piece.param) for piece in pieces}
-        params.update(id(p) for group in self.param_groups if group.get("algorithm") == "adamw"
-                      for p in group["params"])  # stepped on every rank
-        duals = {(id(piece.param), piece.dual_key) for piece in pieces}
-        for p in list(self.state):
-            if is_sharded(p):  # every rank keeps its part of a sharded parameter's state
-                continue
-            if id(p) not in params:
-                del self.state[p]  # another rank owns it now
-                continue
-            for key in [k for k in self.state[p] if k.startswith("dual")]:
-                if (id(p), key) not in duals:
-                    del self.state[p][key]
-
     def reassign(self, param_groups):
         """Replace the groups (the same parameters; new manifolds or blocks) in place, keeping
         every parameter's momentum. A piece whose manifold or rows changed loses its dual warm
-        start. A collective under torch.distributed (the state is consolidated first)."""
+        start. Call it on every rank (with sharded parameters a collective: consolidated_state_dict)."""
         old = self.consolidated_state_dict()["state"]
         old_params = [p for group in self.param_groups for p in group["params"]]
         old_pieces = {(id(pc.param), pc.dual_key): pc.manifold for pc in self.pieces()}
@@ -658,7 +734,6 @@ class ManifoldMuon(torch.optim.Optimizer):
                     if k.startswith("dual") and old_pieces.get((id(p), k)) != new_pieces.get((id(p), k)):
                         continue
                     self.state[p][k] = v.to(p.device) if torch.is_tensor(v) else v
-        self._drop_unowned()
 
 
 def _to_cpu(state):

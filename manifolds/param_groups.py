@@ -46,7 +46,8 @@ import torch
 
 from errors import UserError
 from manifolds.assignment import MATRIX_KEYS, QKV_BLOCKS, parse_assignment, qkv_blocks
-from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold
+from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, tall
+from manifolds.optimizer import on_manifold_tol
 from manifolds.sharded import is_sharded, project_sharded
 
 
@@ -89,8 +90,9 @@ def manifold_param_groups(model, spec, dgram_cap=1.0, adamw=None):
     defaults), the rest is instead one more group that ManifoldMuon steps with AdamW, and `rest`
     is empty.
 
-    Projects each chosen matrix onto its manifold IN PLACE (exact retraction, under no_grad; a
-    frozen one only once it trains, at its first ManifoldMuon step), so that training starts on
+    Projects each chosen matrix that is off its manifold onto it IN PLACE (exact retraction, under
+    no_grad; one already on it is left bit for bit; a frozen one only once it trains, at its
+    first ManifoldMuon step), so that training starts on
     the manifolds: call it after the model is initialised (or its
     weights loaded) and before building the optimizers. `dgram_cap` is the column-norm cap of
     "dgram-cap"; its groups carry it. Under torch.distributed, call it on every rank with the
@@ -245,15 +247,22 @@ def muon_groups(matrices, dgram_cap=1.0):
 @torch.no_grad()
 def project_matrices(matrices, dgram_cap=1.0, only=None):
     """Project these matrices (all, or those named in `only`) onto their manifolds in place
-    (exact retraction, computed in fp32 and stored in the parameter's dtype). Frozen matrices
-    (requires_grad False) are left as they are: ManifoldMuon projects them at their first step."""
+    (exact retraction, computed in fp32 and stored in the parameter's dtype). A matrix already on
+    its manifold (violation <= on_manifold_tol, as ManifoldMuon's constructor decides) is left
+    bit for bit: a resume that restores the weights and then builds the groups again (PyTorch
+    Lightning's configure_optimizers) keeps them. Frozen matrices (requires_grad False) are
+    left as they are: ManifoldMuon projects them at their first step."""
     for name, p, _, blocks, transposed in matrices:
         if (only is not None and name not in only) or not p.requires_grad:
             continue
         manifolds = {lo: manifold for _, lo, _, manifold in blocks}
 
-        def projected(lo, hi, block):
-            if not geometry(manifolds[lo]).constrained:
+        def projected(lo, hi, block, dtype=p.dtype):
+            """The block projected, or None where it is on its manifold already (left bitwise)."""
+            geo = geometry(manifolds[lo], dgram_cap)
+            if not geo.constrained:
+                return None
+            if bool(geo.violation(tall(block.float(), transposed)) <= on_manifold_tol(dtype)):  # NaN: projected
                 return None
             return project_to_manifold(block.float(), manifolds[lo], dgram_cap, transposed)
 

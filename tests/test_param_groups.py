@@ -110,6 +110,34 @@ def test_weights_are_on_their_manifolds_after_the_call_and_after_12_steps(arch):
     assert worst() <= 1e-4
 
 
+def test_matrices_on_their_manifolds_are_left_bitwise_by_the_groups_the_constructor_and_add_param_group():
+    # a resume as PyTorch Lightning runs it: the trained weights are restored, then
+    # configure_optimizers builds the groups and the optimizer again (tests/test_torch_clients.py's
+    # Lightning run: Llama; here GPT-2's Conv1D weights, stored transposed)
+    model = tiny_gpt2()
+    groups, _ = manifold_param_groups(model, "hetero", adamw=True)
+    muon = ManifoldMuon(groups, lr=0.05)
+    batch = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        model(batch, labels=batch).loss.backward()
+        muon.step()
+        muon.zero_grad()
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert 0 < max(manifold_violation(p.detach(), g["manifold"], transposed=g.get("transposed", False))
+                   for g in groups[:-1] for p in g["params"]) <= 1e-4  # on them, not exactly (rounding)
+    again, _ = manifold_param_groups(model, "hetero", adamw=True)
+    ManifoldMuon(again[:1], lr=0.05).add_param_group(again[1])
+    for n, p in model.named_parameters():
+        assert torch.equal(p, trained[n]), n
+    # one matrix moved off its manifold is projected again, alone
+    name = named(model, groups[0]["params"])[0]
+    p = model.get_parameter(name)
+    with torch.no_grad():
+        p.mul_(1.01)
+    manifold_param_groups(model, "hetero", adamw=True)
+    assert {n for n, q in model.named_parameters() if not torch.equal(q, trained[n])} == {name}
+
+
 def test_the_projection_moves_only_the_chosen_matrices():
     model = tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
