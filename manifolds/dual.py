@@ -76,6 +76,95 @@ def masked_update(active, old, new):
     return torch.where(active.reshape(active.shape + (1, 1)), new, old)
 
 
+# --- no signal, no motion -------------------------------------------------------------------
+#
+# The direction depends on G only through its tangent part Proj_T G: X = G + W (2 C - M0) =
+# Proj_T G + 2 W C. So G is normalised by ||Proj_T G||_F, not ||G||_F, and the warm start C is
+# kept in those units: a change of G's scale, or of the share of G that is normal, leaves it
+# meaning the same. A matrix whose tangent part is below SIGNAL_TOL of ||G||_F (a zero gradient,
+# G = W S with S in P's range, a non-finite G) has no direction: its answer is 0 and its warm
+# start is kept as it came in. The carried correction is bounded (CORRECTION_CAP) and a
+# non-finite one dropped, so a bad state cannot become a full step.
+
+SIGNAL_TOL = {"tf32": 3e-3}  # ||Proj_T G||_F / ||G||_F below this is no signal; other precisions:
+SIGNAL_TOL_FP32 = 1e-4       # the tangent part's rounding: ~2e-7 in fp32, ~3e-4 with TF32 products
+SKETCH_COLUMNS = 16          # probes of the tangent-norm sketch (its relative spread ~ (2 / 16)^(1/2))
+CORRECTION_CAP = 8.0         # ||2 W C||_F <= CORRECTION_CAP ||Proj_T G||_F for the carried correction
+
+
+def signal_tolerance(plan):
+    return SIGNAL_TOL.get(plan.precision, SIGNAL_TOL_FP32)
+
+
+def sketch_probes(q, dtype, device, columns=SKETCH_COLUMNS):
+    """A fixed q x columns matrix of +-1 (a hash of the indices; made on the device, no host data)."""
+    i = torch.arange(q, device=device, dtype=torch.int64)[:, None]
+    j = torch.arange(columns, device=device, dtype=torch.int64)[None, :]
+    bits = ((i * 2654435761 + (j + 1) * 40503 + i * j * 97) >> 7) & 1
+    return (1 - 2 * bits).to(dtype)
+
+
+def tangent_signal(W, G, M0, pair, plan):
+    """(norm, signal) per matrix: norm ~ ||Proj_T G||_F (> 0; the unit G is divided by) and
+    whether G has a tangent part above rounding (signal_tolerance), from M0 = P(W^T G + G^T W) /
+    (d_i^2 + d_j^2) (Proj_T G = G - W M0) without forming Proj_T G:
+
+    * in q x q, ||Proj_T G||_F^2 = ||G||_F^2 - <W^T G, M0> = ||G||_F^2 - <M0, pair M0> / 2 (the
+      pair identity of geometry.py), exact to ~1e-7 ||G||_F^2: it cancels when G is nearly normal
+      (its square root then reads ~3e-4 ||G||_F for a G with none);
+    * a sketch, ||(G - W M0) Om||_F^2 / k with Om a fixed q x k sign matrix: unbiased, its
+      difference taken entry by entry (no cancellation: ~2e-7 for a normal G in fp32), its spread
+      ~35% at k = 16; O(p q k), 2% of a p x q x q product at q = 768.
+
+    The decision reads the sketch (a real tangent part below 0.1 of the tolerance would need a
+    16-probe chi-square below 1e-2 of its mean); the norm, the q x q value where it is precise
+    (above 0.1 ||G||_F), else the sketch's."""
+    g2 = G.square().sum(dim=(-2, -1))
+    t2 = g2 - 0.5 * (pair * M0.square()).sum(dim=(-2, -1))
+    probes = sketch_probes(G.size(-1), G.dtype, G.device)
+    Y = G @ probes - W @ (M0 @ probes)
+    s2 = Y.square().sum(dim=(-2, -1)) / probes.size(-1)
+    tol = signal_tolerance(plan)
+    signal = torch.isfinite(g2) & torch.isfinite(s2) & torch.isfinite(t2) & (s2 > tol * tol * g2) & (g2 > 0)
+    norm2 = torch.where(t2 > 1e-2 * g2, t2, s2)
+    norm = torch.where(signal, norm2, torch.ones_like(norm2)).clamp_min(torch.finfo(G.dtype).tiny).sqrt()
+    return norm, signal
+
+
+def stand_in(G):
+    """A fixed +-1 pattern of unit Frobenius norm, G's shape: the problem a matrix without signal
+    is solved on instead of its own (0, normal or non-finite: its iterations would divide by 0 or
+    hand eigh a NaN); its answer is then discarded (silence)."""
+    p, q = G.shape[-2:]
+    i = torch.arange(p, device=G.device, dtype=torch.int64)[:, None]
+    j = torch.arange(q, device=G.device, dtype=torch.int64)[None, :]
+    bits = ((i * 2654435761 + j * 40503 + i * j * 97) >> 5) & 1
+    return ((1 - 2 * bits).to(G.dtype) / (p * q) ** 0.5).expand(G.shape)
+
+
+def bounded_correction(C, d2):
+    """The carried correction C (q x q) made safe to start from: 0 where it is not finite, and
+    scaled down where ||2 W C||_F = 2 ||D C||_F exceeds CORRECTION_CAP (in the units of a unit
+    tangent G, an optimum's is ~1: a larger one is stale or corrupt, and it would outweigh G)."""
+    C = torch.where(torch.isfinite(C).all(dim=(-2, -1), keepdim=True), C, 0.0)
+    size = 2 * (C.square() * d2[..., :, None]).sum(dim=(-2, -1), keepdim=True).sqrt()
+    return C * (CORRECTION_CAP / size.clamp_min(CORRECTION_CAP))
+
+
+def tangent_normalised(W, G, geo, d2, plan):
+    """(G / ||Proj_T G||_F, signal) for the solvers that do not form M0 themselves (ADMM, whose
+    span coordinates shift G's Gram and cannot tell a normal G from a tangent one): one fp32
+    product W^T G more."""
+    M0 = geo.preconditioned(W, G, d2, 1.0, plan.backend)
+    norm, signal = tangent_signal(W, G, M0, pair_scale(d2), plan)
+    return torch.where(signal[..., None, None], G / norm[..., None, None], stand_in(G)), signal
+
+
+def silence(signal, X):
+    """X where the matrix has a signal, 0 elsewhere (a NaN computed from no signal included)."""
+    return torch.where(signal.reshape(signal.shape + (1,) * (X.dim() - signal.dim())), X, 0.0)
+
+
 def relative_residual(W, sumsq):
     """rms(H) / mean column norm of W, from sumsq = ||H||_F^2: the scale-free tangent residual."""
     rms_H = (sumsq.to(W.dtype) / W.size(-1) ** 2).sqrt()
@@ -329,8 +418,15 @@ def online_iterations(problem, G, correction, plan):
     W, geo = problem.W, problem.geo
     q = W.size(-1)
     M0 = problem.multiplier(G)  # Proj_T(G) = G - W M0
+    # G in units of its tangent part, the carried C with it (see tangent_signal)
+    norm, signal = tangent_signal(W, G, M0, problem.pair, plan)
+    G = torch.where(signal[..., None, None], G / norm[..., None, None], stand_in(G))
+    # (a stand-in's X = G + 2 W C need not be its tangent part: only its answer's finiteness matters)
+    M0 = torch.where(signal[..., None, None], M0 / norm[..., None, None], 0.0)
     warm = correction is not None
-    C = correction if warm else torch.zeros(W.shape[:-2] + (q, q), dtype=W.dtype, device=W.device)
+    C = (bounded_correction(correction, problem.d2) if warm
+         else torch.zeros(W.shape[:-2] + (q, q), dtype=W.dtype, device=W.device))
+    incoming = C
     steps = geo.online_steps if warm else max(ONLINE_COLD, geo.online_steps)
     previous = None
     sharpen, sign_steps = sharpens(geo, plan), online_sign_steps(geo, plan)
@@ -353,7 +449,33 @@ def online_iterations(problem, G, correction, plan):
         C = C - step * M
     H = M * pair_scale(problem.d2)  # P(W^T A + A^T W) of the last sign
     B = problem.sharpened(A, S, M) if sharpen else problem.times_W(M, A, -1.0)
-    return B, C, relative_residual(W, H.square().sum(dim=(-2, -1))), steps
+    if geo.secant_dual:
+        B = better_answer(problem, G, B, projected_sign(problem, G, plan, sign_steps), plan)
+    # no signal: no answer, and the warm start as it came (a step of G = 0 teaches it nothing)
+    C = torch.where(signal[..., None, None], C, incoming)
+    return silence(signal, B), C, silence(signal, relative_residual(W, H.square().sum(dim=(-2, -1)))), steps
+
+
+def projected_sign(problem, G, plan, sign_steps):
+    """Proj_T(msign(G)): the projected Muon step. The matrix sign keeps G's rank (its zero singular
+    values stay 0), which the dual's msign(G - lambda W) does not."""
+    A = polar(G, plan, sign_steps)
+    return problem.times_W(problem.multiplier(A), A, -1.0)
+
+
+def better_answer(problem, G, B, other, plan):
+    """Per matrix, whichever of the tangent answers B and `other` makes more progress
+    <G, A> / ||A||_op (the norm by span.top_eigenvalue_bound, an upper bound: the score a lower
+    bound on what finalize_banks makes of it). The Hyperball's secant dual, one multiplier for the
+    whole matrix, stalls on a rank-deficient G at 0.64-0.85 of the optimum where the projected
+    Muon step takes 0.98-1.0 (tests/test_no_signal.py); on full-rank momenta the dual's wins."""
+    pair = torch.stack([B, other])
+    grams = kernels.sym_product(pair.mT, backend=problem.backend)
+    norms = top_eigenvalue_bound(grams.reshape((-1,) + grams.shape[-2:]), NORM_SQUARINGS, problem.backend,
+                                 tf32=plan.tf32).reshape(grams.shape[:-2]).sqrt()
+    score = (G * pair).sum(dim=(-2, -1)) / norms.clamp_min(torch.finfo(G.dtype).tiny)
+    take = (score[1] > score[0]) & torch.isfinite(score[1])
+    return torch.where(take[..., None, None], other, B)
 
 
 def span_iterations(spans, correction, plan):
@@ -388,10 +510,18 @@ def admm_in_span(problems, plan):
     if len({correction is None for *_, correction in problems}) > 1:
         raise ValueError("admm_in_span takes banks that are all warm-started or all cold")
     d2s = [geo.squared_norms(W) for W, _, geo, _ in problems]
-    spans = StackedSpans([(W, G, geo, d2) for (W, G, geo, _), d2 in zip(problems, d2s)], plan.backend)
-    corrections = [correction for *_, correction in problems]
+    normalised = [tangent_normalised(W, G, geo, d2, plan) for (W, G, geo, _), d2 in zip(problems, d2s)]
+    spans = StackedSpans([(W, G, geo, d2) for (W, _, geo, _), (G, _), d2 in zip(problems, normalised, d2s)],
+                         plan.backend)
+    signal = torch.cat([signal for _, signal in normalised])
+    corrections = [None if correction is None else bounded_correction(correction, d2)
+                   for (*_, correction), d2 in zip(problems, d2s)]
     correction = None if corrections[0] is None else torch.cat(corrections)
+    incoming = torch.zeros_like(spans.R12) if correction is None else correction
     B, correction, residual, iterations = span_iterations(spans, correction, plan)
+    # no signal: no answer (B = 0 lifts to 0) and the warm start as it came
+    B, residual = silence(signal, B), silence(signal, residual)
+    correction = torch.where(signal[..., None, None], correction, incoming)
     lifted = spans.lift(B)
     # The lifted answers are tangent without a projection on the full matrices: B left ADMM
     # through the span's exact fp32 projection, and the lift keeps that to its rounding (which it
@@ -399,8 +529,11 @@ def admm_in_span(problems, plan):
     directions = finalize_banks([(W, X, geo, d2) for (W, _, geo, _), (X, _), d2 in zip(problems, lifted, d2s)],
                                 plan, project=False)
     solutions = []
-    for A, (_, ok), c, r in zip(directions, lifted, spans.split(correction), spans.split(residual)):
-        solutions.append(Solution(A, masked_update(ok, torch.zeros_like(c), c), r, iterations, (~ok).sum()))
+    for A, (_, ok), c, r, live in zip(directions, lifted, spans.split(correction), spans.split(residual),
+                                      spans.split(signal)):
+        ok = ok | ~live  # a silenced matrix took no fallback: its 0 lifts exactly
+        solutions.append(Solution(silence(live, A), masked_update(ok, torch.zeros_like(c), c), r, iterations,
+                                  (~ok).sum()))
     return solutions
 
 
@@ -408,8 +541,12 @@ def admm_full(W, G, geo, correction, plan):
     """ADMM on the full p x q matrices (near-square and Oblique banks), products at fp32; only
     the matrix signs follow the plan's sign dtype."""
     d2 = geo.squared_norms(W)
-    B, correction, residual, iterations = admm_iterations(W, G, geo, correction, plan, d2)
-    return Solution(finalize_banks([(W, B, geo, d2)], plan)[0], correction, residual, iterations)
+    G, signal = tangent_normalised(W, G, geo, d2, plan)
+    incoming = None if correction is None else bounded_correction(correction, d2)
+    B, correction, residual, iterations = admm_iterations(W, G, geo, incoming, plan, d2)
+    correction = torch.where(signal[..., None, None], correction, 0.0 if incoming is None else incoming)
+    return Solution(finalize_banks([(W, silence(signal, B), geo, d2)], plan)[0], correction,
+                    silence(signal, residual), iterations)
 
 
 def online_full(W, G, geo, correction, plan):
@@ -468,6 +605,10 @@ def exact_square_direction(W, G, geo, plan):
     d2 = geo.squared_norms(W)
     Lambda0 = geo.preconditioned(W, G, d2, -0.5, plan.backend)
     X = kernels.matmul_add(W, Lambda0, G, alpha=2.0, backend=plan.backend)  # G + 2 W Lambda0
+    # X is Proj_T G itself, formed entry by entry: a G without a tangent part (W S, 0) gives no answer
+    g2, x2 = G.square().sum(dim=(-2, -1)), X.square().sum(dim=(-2, -1))
+    tol = signal_tolerance(plan)
+    signal = torch.isfinite(g2) & torch.isfinite(x2) & (x2 > tol * tol * g2) & (g2 > 0)
     if plan.exact_sign[0] == "minimax":
         with kernels.tf32_products():
             A = kernels.msign(X, plan.exact_sign[1], 0, plan.backend, schedule=EXACT_SCHEDULE)
@@ -477,6 +618,7 @@ def exact_square_direction(W, G, geo, plan):
         # the online scheme skips this polish: the final projection makes A tangent and the
         # bound unit; the sign's own accuracy (~1e-3 at TF32) is what the quality loses
         A = kernels.orthonormalize_near(A, steps=2, backend=plan.backend)
+    A = silence(signal, A)
     return A, d2, relative_residual(W, geo.tangent_residual(W, A, plan.backend, with_norm=True)[1])
 
 
@@ -517,6 +659,8 @@ def solve_tall(W, G, geo, state, plan):
     if not geo.constrained:
         # plain Muon as the field runs it: Polar Express in the sign dtype (bf16 on a GPU), no polish
         A = in_sign_dtype(lambda X: kernels.msign(X, *MUON_STEPS, plan.backend), G, plan)
+        g2 = G.square().sum(dim=(-2, -1))
+        A = silence(torch.isfinite(g2) & (g2 > 0), A)  # a zero or non-finite G: no step
         return Solution(A, None, torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device), 0)
     if geo.exact_square_step and W.size(-2) == W.size(-1):
         return exact_square_stiefel(W, G, geo, plan)

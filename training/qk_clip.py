@@ -20,6 +20,15 @@ rescalings keep a matrix on its manifold decides what we do (tall orientation W,
 When only one of the q and k matrices can be scaled (split blocks, one of them Stiefel), it
 takes the whole factor gamma instead of sqrt(gamma).
 
+The optimizer's warm start scales with the matrix. The solver keeps the correction C = Lambda -
+Lambda0 of the dual multiplier, in units of the unit tangent gradient (manifolds/dual.py), and
+starts the next step from X = Proj_T G + 2 W C. The tangent space at c W is the one at W, so
+Proj_T G and the optimum do not move; X is unchanged when c W carries C / c. So a matrix scaled
+by c has its stored warm start ("dual" / "dual@<lo>", manifolds/optimizer.py Piece.dual_key)
+divided by c, in place (a CUDA graph reads it there; under FSDP its local part); left alone, the
+next step starts as if the multiplier were c times off (direction quality 0.96 at c = 0.5, 0.86 at
+c = 3, several steps to recover).
+
 The maxima come from CausalSelfAttention's `track_logits` (a per-head device buffer over the
 step's micro-steps), reduced with MAX over ranks, so every rank scales the same way. Nothing
 here reads a device value on the host: the counters are tensors, read when a row is logged.
@@ -36,15 +45,17 @@ def scaling(manifold):
 
 
 class QKClip:
-    def __init__(self, attentions, matrices, tau, distributed=False):
+    def __init__(self, attentions, matrices, tau, distributed=False, optimizer=None):
         """attentions: the layers' CausalSelfAttention modules; matrices: manifolds.param_groups'
         assigned_matrices [Matrix] (its attn.qkv entries give each layer's blocks and their
-        manifolds, in layer order)."""
+        manifolds, in layer order); optimizer: the ManifoldMuon whose warm starts scale with the
+        matrices (None: there are none to keep consistent)."""
         if tau <= 0:
             raise ValueError(f"QK-Clip needs tau > 0, got {tau}")
         self.attentions = list(attentions)
         self.tau = tau
         self.distributed = distributed
+        self.optimizer = optimizer
         self.follow(matrices)
         device = self.layers[0][0].device
         n_head = self.attentions[0].n_head
@@ -70,12 +81,13 @@ class QKClip:
         over = maxima > self.tau
         gamma = torch.where(over, self.tau / maxima.clamp_min(self.tau), torch.ones_like(maxima))
         for layer, ((param, blocks), attention) in enumerate(zip(self.layers, self.attentions)):
-            self._scale(param.data, blocks, gamma[layer], over[layer], attention.d_head, layer)
+            self._scale(param, blocks, gamma[layer], over[layer], attention.d_head, layer)
             attention.logit_max.fill_(-float("inf"))
         self.heads_clipped += over
         self.events += over.any()
 
-    def _scale(self, W, blocks, gamma, over, d_head, layer):
+    def _scale(self, param, blocks, gamma, over, d_head, layer):
+        W = param.data
         C = W.size(0) // 3
         sides = [(lo, hi, manifold) for _, lo, hi, manifold in blocks if lo < 2 * C]  # blocks holding q or k rows
         scalable = sum(1 for lo, hi, manifold in sides for side in ("q", "k")
@@ -94,7 +106,20 @@ class QKClip:
                     if _holds(lo, hi, side, C):
                         W[start:start + C] *= per_head[:, None]
             elif how == "matrix":  # c W scales each of its q and k sides by c: the logit by c^scalable
-                W[lo:hi] *= gamma.min().pow(power)
+                factor = gamma.min().pow(power)
+                W[lo:hi] *= factor
+                self._scale_warm_start(param, lo, hi, factor)
+
+    def _scale_warm_start(self, param, lo, hi, factor):
+        """The warm start of rows [lo, hi) of param divided by the factor its matrix took (see the
+        module docstring); its key as manifolds/optimizer.py's Piece.dual_key names it."""
+        if self.optimizer is None:
+            return
+        key = "dual" if lo == 0 and hi == param.size(0) else f"dual@{lo}"
+        warm = self.optimizer.state.get(param, {}).get(key)
+        if warm is not None:
+            local = warm.to_local() if hasattr(warm, "to_local") else warm  # FSDP: a DTensor; scale its part
+            local.div_(factor.to(local.dtype))
 
     def stats(self):
         """Counters for a log row (reading them syncs the device)."""
