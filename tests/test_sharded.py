@@ -59,7 +59,8 @@ ADAMW = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.0}
 # draw gave 4.2e-4 where the 3-rank GPT ended 2.4e-3 away, as an AMD EPYC CPU did; the largest of
 # these six gave 1.9e-3 there, 2.6e-3 on AVX-512, 1.7e-3 on ATEN's default), checked after the first
 # step, before the amplification compounds (a 3% wrong lr on one rank: 1.1e-3 against a bound of
-# 4.4e-4-6.4e-4; the gaps 6.5e-5-2.0e-4), and after the last (a warm start left stale: 3.5e-2).
+# 4.0e-4-6.4e-4 under those three settings; the gaps 4.6e-5-2.0e-4), and after the last (a warm
+# start left stale: 3.5e-2 against 6.8e-3-1.0e-2; the gaps 2.6e-4-2.4e-3).
 # (size, kind, seed): `perturbed` below
 PERTURBATIONS = [(1e-7, "entry", 5), (2.4e-7, "entry", 6), (1e-7, "rms", 7), (1e-8, "entry", 8),
                  (2.4e-7, "entry", 7), (1e-7, "rms", 9)]
