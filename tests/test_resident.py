@@ -51,7 +51,7 @@ def edit(kind, model, opt, path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from manifolds.sharded import chunk_range
-    target = model.model.layers[1].self_attn.k_proj.weight  # 2 x 32 per head... (16, 32): 8 rows a rank
+    target = model.model.layers[1].self_attn.k_proj.weight  # (16, 32): 8 rows a rank
     with torch.no_grad():
         if kind == "data":
             target.data.mul_(0.9)
