@@ -42,7 +42,7 @@ from training.auto_assign import AutoAssign
 from training.user_manifolds import import_manifold_modules, saved_manifold_modules
 from training.fsdp import build_sharded, check_fsdp_flags, check_replicas, gathered_matrix_stats, whole
 from training.sharded_checkpoints import find_sharded_resume, load_sharded, save_sharded, sharded_checkpoint_path
-from training.diagnostics import AttentionProbe, matrix_stats
+from training.diagnostics import AttentionProbe, matrix_stats, stored_radii
 from training.qk_clip import QKClip
 from training.nonfinite import adamw_step, clip_or_mark, forget_logits
 from training.run_dir import RunLock, check_out_dir, check_shared_out_dir, clear_run, remove_leftovers
@@ -790,13 +790,15 @@ def lr_at(step, args):
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - args.min_lr)
 
 
-def max_violations(matrices, args):
-    """{manifold: max violation over the Muon matrices (or row blocks) assigned to it}."""
+def max_violations(matrices, args, muon=None):
+    """{manifold: max violation over the Muon matrices (or row blocks) assigned to it}; a
+    Hyperball matrix against the radius `muon` keeps for it (0 without one)."""
+    radii = stored_radii(muon, matrices) if muon is not None else {}
     out = {}
-    for _, p, _, blocks, transposed in (Matrix(*matrix) for matrix in matrices):
+    for name, p, _, blocks, transposed in (Matrix(*matrix) for matrix in matrices):
         p = whole(p.detach())  # under --fsdp gathered one matrix at a time, on every rank
         for _, lo, hi, manifold in blocks:
-            violation = manifold_violation(p[lo:hi], manifold, args.dgram_cap, transposed)
+            violation = manifold_violation(p[lo:hi], manifold, args.dgram_cap, transposed, radius=radii.get((name, lo)))
             # NaN (blown-up weights) must win: max() would silently drop it
             out[manifold] = max(out.get(manifold, 0.0), violation, key=lambda v: math.inf if math.isnan(v) else v)
     return out
@@ -838,10 +840,11 @@ def evaluate(model, stream, args, device, autocast, env=DistEnv(), probe=None):
     return total / count, windows * args.seq_len
 
 
-def evaluate_and_diagnose(model, matrices, stream, args, device, autocast, env=DistEnv()):
+def evaluate_and_diagnose(model, matrices, stream, args, device, autocast, env=DistEnv(), radii=None):
     """evaluate(), plus on rank 0 the diagnostics of training/diagnostics.py (attention logits
     and softmax saturation of the first val batch; singular values, manifold violation and DGram
-    column norms of every Muon matrix) and what they cost: `eval_ms` is the loss pass alone,
+    column norms of every Muon matrix; a Hyperball's violation against `radii`, stored_radii) and
+    what they cost: `eval_ms` is the loss pass alone,
     `diagnostics_ms` the time the diagnostics added to it."""
     t0 = time.perf_counter()
     probe = (AttentionProbe([block.attn.c_attn for block in model.blocks], args.n_head,
@@ -849,10 +852,10 @@ def evaluate_and_diagnose(model, matrices, stream, args, device, autocast, env=D
     val_loss, eval_tokens = evaluate(model, stream, args, device, autocast, env, probe)
     t1 = time.perf_counter()
     # under --fsdp the weights' statistics need each matrix gathered whole, by every rank
-    weights = gathered_matrix_stats(matrices, args.dgram_cap, env.is_main) if args.fsdp else None
+    weights = gathered_matrix_stats(matrices, args.dgram_cap, env.is_main, radii) if args.fsdp else None
     if probe is None:
         return val_loss, eval_tokens, {}
-    fields = {**probe.results(), **(weights if weights is not None else matrix_stats(matrices, args.dgram_cap))}
+    fields = {**probe.results(), **(weights if weights is not None else matrix_stats(matrices, args.dgram_cap, radii))}
     weights_ms = 1000 * (time.perf_counter() - t1)
     return val_loss, eval_tokens, {**fields, "eval_ms": 1000 * (t1 - t0) - probe.ms,
                                    "diagnostics_ms": probe.ms + weights_ms}
@@ -1309,7 +1312,8 @@ def evaluate_and_log(run, step):
     """The eval after step `step`: val loss and diagnostics (run.val_loss), their row and line,
     and --assign auto's switches."""
     run.val_loss, eval_tokens, fields = evaluate_and_diagnose(run.model, run.matrices, run.val_stream, run.args,
-                                                              run.device, run.autocast, run.env)
+                                                              run.device, run.autocast, run.env,
+                                                              stored_radii(run.muon, run.matrices))
     replica_diff = replica_max_abs_diff(run.model, run.env)
     if run.args.fsdp:  # HSDP: replicas bitwise equal, or every rank stops with ReplicaDrift
         check_replicas(run.model)
@@ -1365,7 +1369,7 @@ def check_divergence(run, step, record, evaluated):
     run.diverged = {"step": step + 1, "train_loss": run.train_loss, "lr": record.lr,
                     "grad_norm": float(record.grad_norm),
                     "param_max_abs": max(float(p.detach().abs().max()) for p in run.model.parameters()),
-                    "max_manifold_violation": max_violations(run.matrices, run.args)}
+                    "max_manifold_violation": max_violations(run.matrices, run.args, run.muon)}
     run.say(f"step {step + 1}: diverged (loss {worst:.4g}, best val {run.best_val:.4g}); "
             f"post-mortem checkpoint diverged_{step + 1:08d}.pt", file=sys.stderr, flush=True)
     save(run, step + 1, prefix="diverged")
@@ -1420,7 +1424,7 @@ def finish(run, status, write_failure, wall_s):
     of rank 0 (`write_failure`) raised again once the summary is written."""
     summary = {"status": status, "steps": run.steps_done, "tokens": run.steps_done * run.tokens_per_step,
                "final_val_loss": run.val_loss, "final_train_loss": run.train_loss,
-               "max_manifold_violation": max_violations(run.matrices, run.args),
+               "max_manifold_violation": max_violations(run.matrices, run.args, run.muon),
                "world_size": run.env.world_size, "diverged": run.diverged, "skipped_steps": run.skipped_steps,
                "wall_s": wall_s,
                # a collective: not after a failed write, which only rank 0 met

@@ -272,3 +272,24 @@ def test_the_radius_survives_state_dict_and_load_state_dict():
         pass
     for W, W_saved in zip(other_weights, weights):  # the step retracts to the loaded radius
         assert abs(float(W.detach().double().norm() / stored_radius(opt, W_saved)) - 1) <= 1e-6
+
+
+def test_the_trainer_reports_a_hyperball_violation_against_the_stored_radius():
+    """The trainer's summary (max_violations) and eval rows (diagnostics.matrix_stats) measure a
+    Hyperball matrix against the radius ManifoldMuon keeps, not against its own norm (always 0)."""
+    from manifolds.param_groups import Matrix
+    from training.diagnostics import matrix_stats, stored_radii
+    model, weights = hyperball_stack()
+    groups, _ = manifold_param_groups(model, {"*.weight": "hyperball"})
+    opt = ManifoldMuon(groups, lr=0.1)
+    next(hyperball_steps(model, opt, 1))
+    matrices = [Matrix(f"w{i}", W, "*.weight", [(f"w{i}", 0, W.size(0), "hyperball")]) for i, W in enumerate(weights)]
+    args = train_gpt2.parse_args(["--assign", "hetero"])
+    assert max(train_gpt2.max_violations(matrices, args, opt).values()) <= 1e-6
+    with torch.no_grad():
+        weights[1].mul_(1.02)  # off its sphere, by an edit outside the step
+    radii = stored_radii(opt, matrices)
+    assert sorted(radii) == [("w0", 0), ("w1", 0)]
+    assert abs(train_gpt2.max_violations(matrices, args, opt)["hyperball"] - 0.02) <= 1e-6
+    assert abs(matrix_stats(matrices, radii=radii)["manifold_violation"]["w1"] - 0.02) <= 1e-6
+    assert train_gpt2.max_violations(matrices, args)["hyperball"] == 0.0  # without the optimizer: no radius

@@ -30,6 +30,7 @@ rows also carry
     qk_clip_heads[l], qk_clip_events   under --qk-clip (training.qk_clip): heads of layer l
                          rescaled so far, and the steps with any rescaling
 """
+import math
 import time
 
 import torch
@@ -37,6 +38,7 @@ import torch
 from manifolds import manifold_violation
 from manifolds.geometry import geometry, tall
 from manifolds.param_groups import Matrix
+from manifolds.sharded import local, stored_radius
 
 
 def _sync(device):
@@ -158,17 +160,34 @@ def singular_values(matrices):
     return torch.where(finite[:, None], sigma, torch.full_like(sigma, float("nan")))
 
 
+def stored_radii(optimizer, matrices):
+    """{(parameter name, row_lo): r} of the pieces whose manifold stores a radius (the Hyperball's
+    ||W||_F when it was put on the sphere, kept in ManifoldMuon's state): what their violation is
+    measured against. Pieces without one yet (NaN, or no state) are left out (their violation: 0)."""
+    out = {}
+    for name, W, _, blocks, _ in (Matrix(*matrix) for matrix in matrices):
+        for _, lo, _, manifold in blocks:
+            if not geometry(manifold).stores_radius:
+                continue
+            radius = stored_radius(optimizer, W, lo)
+            if radius is not None and math.isfinite(float(local(radius))):
+                out[(name, lo)] = float(local(radius))
+    return out
+
+
 @torch.no_grad()
-def matrix_stats(matrices, dgram_cap=1.0):
+def matrix_stats(matrices, dgram_cap=1.0, radii=None):
     """Singular values, manifold violation and DGram column norms of every Muon matrix.
 
     `matrices` is the trainer's [Matrix(parameter name, W, module key, [(label, row_lo, row_hi,
     manifold)], transposed=False)]: one piece per matrix, or the q | k | v row blocks of a split fused QKV. Every
     matrix gets its singular values; a fused QKV matrix (key "attn.qkv") also those of its q and
     k blocks (labelled name[q], name[k]), a split one those of all three. Violation and column
-    norms are per piece. Returns the eval-row fields named in the module docstring, each a
-    {name: float} dict.
+    norms are per piece. `radii` ({(parameter name, row_lo): r}, stored_radii) gives a manifold
+    that stores its size (the Hyperball) the radius its violation is measured against. Returns
+    the eval-row fields named in the module docstring, each a {name: float} dict.
     """
+    radii = radii or {}
     pieces = []  # (name, matrix) whose singular values are reported
     out = {"sigma_max": {}, "sigma_min": {}, "manifold_violation": {}, "col_norm_min": {}, "col_norm_max": {}}
     for name, W, key, blocks, transposed in (Matrix(*matrix) for matrix in matrices):
@@ -180,7 +199,8 @@ def matrix_stats(matrices, dgram_cap=1.0):
             pieces += [(label, W[i * rows:(i + 1) * rows]) for i, label in enumerate(labels)]
         for label, lo, hi, manifold in blocks:
             block = W[lo:hi]
-            out["manifold_violation"][label] = manifold_violation(block, manifold, dgram_cap, transposed)
+            out["manifold_violation"][label] = manifold_violation(block, manifold, dgram_cap, transposed,
+                                                                  radius=radii.get((name, lo)))
             if geometry(manifold).column_norm_diagnostics:
                 norms = tall(block, transposed).double().norm(dim=-2)
                 out["col_norm_min"][label], out["col_norm_max"][label] = float(norms.min()), float(norms.max())

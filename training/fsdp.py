@@ -112,16 +112,17 @@ def check_fsdp_flags(args, world_size):
                         f"whole matrices on every rank); run them without --fsdp")
 
 
-def gathered_matrix_stats(matrices, dgram_cap, report):
+def gathered_matrix_stats(matrices, dgram_cap, report, radii=None):
     """training.diagnostics.matrix_stats of sharded matrices (a collective): each matrix is
     gathered whole by every rank in turn, so that no rank holds more than one whole at a time, and
-    its statistics computed on the rank that `report`s (rank 0); {} elsewhere."""
+    its statistics computed on the rank that `report`s (rank 0); {} elsewhere. `radii`: as
+    matrix_stats takes them."""
     from manifolds.param_groups import Matrix
     from training.diagnostics import matrix_stats
     out = {}
     for matrix in (Matrix(*m) for m in matrices):
         W = whole(matrix.param.detach())
         if report:
-            for field, values in matrix_stats([matrix._replace(param=W)], dgram_cap).items():
+            for field, values in matrix_stats([matrix._replace(param=W)], dgram_cap, radii).items():
                 out.setdefault(field, {}).update(values)
     return out
