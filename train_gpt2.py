@@ -1088,6 +1088,8 @@ def resume(run, payload, path):
                 file=sys.stderr)
     run.start_step, run.best_val = payload["step"], payload["best_val_loss"]
     run.val_loss, run.train_loss = payload["val_loss"], payload["train_loss"]
+    # checkpoints from before skipped steps were counted hold neither count
+    run.skipped_steps, run.skipped_in_row = payload.get("skipped_steps", 0), payload.get("skipped_in_row", 0)
     run.say(f"resuming from {path} at step {run.start_step}")
 
 
@@ -1389,7 +1391,7 @@ def save(run, steps_done, prefix="ckpt"):
         return
     muon_state = run.muon.consolidated_state_dict()
     if run.env.is_main:
-        losses = {"best_val_loss": run.best_val, "val_loss": run.val_loss, "train_loss": run.train_loss}
+        losses = run_counters(run)
         state = checkpoint_payload(steps_done, run.model, run.adamw, muon_state, losses, run.args)
         state["train_shards"] = run.train_stream.fingerprint()
         if run.auto is not None:
@@ -1407,9 +1409,16 @@ def save(run, steps_done, prefix="ckpt"):
     exchange_status(run)
 
 
+def run_counters(run):
+    """What a checkpoint keeps of the loop's own state: the losses, and the skipped steps' counts
+    (so that a resumed run's --max-skipped-steps counts on from the ones in a row before it)."""
+    return {"best_val_loss": run.best_val, "val_loss": run.val_loss, "train_loss": run.train_loss,
+            "skipped_steps": run.skipped_steps, "skipped_in_row": run.skipped_in_row}
+
+
 def save_sharded_checkpoint(run, steps_done, prefix):
     """save() under --fsdp: a DCP folder (training/sharded_checkpoints.py); every rank writes its shards."""
-    losses = {"best_val_loss": run.best_val, "val_loss": run.val_loss, "train_loss": run.train_loss}
+    losses = run_counters(run)
     payload = {**run_payload(steps_done, losses, run.args), "train_shards": run.train_stream.fingerprint()}
     try:
         save_sharded(sharded_checkpoint_path(run.args.out_dir, steps_done, prefix), run.model, [run.muon, run.adamw],

@@ -353,10 +353,16 @@ def test_a_nan_gradient_step_is_skipped_leaving_weights_and_optimizer_state_bitw
     assert summary["status"] == "completed" and summary["skipped_steps"] == 1 and summary["diverged"] is None
 
 
-def test_non_finite_steps_in_a_row_stop_the_run_with_an_error(data_dir, tmp_path):
+def test_non_finite_steps_in_a_row_stop_the_run_with_an_error_counting_across_a_resume(data_dir, tmp_path):
+    """Skips at steps 2, 4 and 5 (two in a row) end a 5-step run; its checkpoint keeps both counts,
+    so the resumed run's skip at step 6 is the third in a row and stops it."""
+    first = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path), *RUN, "--max-steps", "5",
+                                   "--ckpt-every", "5", "--max-skipped-steps", "3"),
+                           capture_output=True, text=True, timeout=600, env={**ENV, "MMUON_NAN_GRAD_STEPS": "2,4,5"})
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     result = subprocess.run(command(1, "--data-dir", data_dir, "--out-dir", str(tmp_path), *RUN, "--max-steps", "8",
-                                    "--max-skipped-steps", "3"),
-                            capture_output=True, text=True, timeout=600, env={**ENV, "MMUON_NAN_GRAD_STEPS": "2,4,5,6"})
+                                    "--max-skipped-steps", "3", "--resume", "auto"),
+                            capture_output=True, text=True, timeout=600, env={**ENV, "MMUON_NAN_GRAD_STEPS": "6"})
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: 3 steps in a row (steps 4-6) had a non-finite gradient norm and were skipped "
