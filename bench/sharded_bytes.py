@@ -2,7 +2,8 @@
 
     python -m bench.sharded_bytes                      # GPT-2 small to XL, hetero, 8 ranks
     python -m bench.sharded_bytes --ranks 16 --assign all-dgram
-    python -m bench.sharded_bytes --grad-wire fp32 --no-resident   # the exchange before issue 50
+    python -m bench.sharded_bytes --resident            # with the owners' resident copies
+    python -m bench.sharded_bytes --grad-wire fp32      # G in fp32 too
 
 Per rank and step, in bytes received (what sets a ring collective's time; sent is the same):
   * FSDP2 (fully_shard, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), resharded
@@ -11,11 +12,10 @@ Per rank and step, in bytes received (what sets a ring collective's time; sent i
   * ManifoldMuon's exchange (manifolds/sharded.py): out, a rank receives the parts of G of the
     pieces it owns from the P-1 others (g bytes an element: 2 in bf16, a GPU's default, 4 in
     fp32), and of W and the dual warm start Lambda only where the owner holds no resident copy
-    from the last step (the first step, after a load, a weight changed outside the step); back,
-    it receives its parts of the new W and Lambda of the pieces others own, fp32. Per step with
-    resident copies (the default): (P-1)/P^2 ((g + 4) |W| + 4 |Lambda|) summed over the
-    matrices; without them (--no-resident, or a step that resends): (P-1)/P^2 ((g + 8) |W| +
-    8 |Lambda|); |Lambda| = q^2 for a piece that keeps a warm start and 0 for plain Muon and the
+    from the last step (--resident: --solver-opt resident=on; otherwise every step); back,
+    it receives its parts of the new W and Lambda of the pieces others own, fp32. Per step without
+    resident copies (the default, or a step that resends): (P-1)/P^2 ((g + 8) |W| + 8 |Lambda|)
+    summed over the matrices; with valid ones (--resident): (P-1)/P^2 ((g + 4) |W| + 4 |Lambda|); |Lambda| = q^2 for a piece that keeps a warm start and 0 for plain Muon and the
     exact square Stiefel step;
   * for scale, what gathering every matrix on every rank would take (the replicated path's
     all-gather, fp32): (P-1)/P sum |W|.
@@ -40,7 +40,7 @@ def dual_elements(manifold, rows, cols):
     return min(rows, cols) ** 2
 
 
-def per_step(n_layer, d, assignment, ranks, grad_bytes=2, resident=True):
+def per_step(n_layer, d, assignment, ranks, grad_bytes=2, resident=False):
     """{what: bytes received per rank and step}; grad_bytes: G's bytes an element on the wire;
     resident: the owners hold W and Lambda from the last step (a steady step)."""
     matrices = duals = 0
@@ -64,17 +64,17 @@ def main(argv=None):
     parser.add_argument("--assign", default="hetero", help="manifold assignment (train_gpt2.py --assign)")
     parser.add_argument("--grad-wire", choices=("bf16", "fp32"), default="bf16",
                         help="G's dtype on the exchange's wire (--solver-opt exchange_grad; bf16 is a GPU's default)")
-    parser.add_argument("--no-resident", action="store_true",
-                        help="owners without resident copies (--solver-opt resident=off): W and Lambda sent out "
-                             "every step")
+    parser.add_argument("--resident", action="store_true",
+                        help="owners with resident copies (--solver-opt resident=on): W and Lambda not sent out "
+                             "on a steady step (default: off, as the optimizer's default; sent every step)")
     args = parser.parse_args(argv)
     assignment = dict(parse_assignment(args.assign))
     grad_bytes = 2 if args.grad_wire == "bf16" else 4
     print(f"ESTIMATE from shapes, {args.ranks} ranks, --assign {args.assign}, G in {args.grad_wire}, "
-          f"{'no ' if args.no_resident else ''}resident copies; MB received per rank and step")
+          f"{'' if args.resident else 'no '}resident copies; MB received per rank and step")
     print(f"{'model':8} {'params':>8} {'FSDP ag+rs':>11} {'ManifoldMuon':>13} {'ratio':>6} {'gather all W':>13}")
     for name, (n_layer, d) in MODELS.items():
-        b = per_step(n_layer, d, assignment, args.ranks, grad_bytes, not args.no_resident)
+        b = per_step(n_layer, d, assignment, args.ranks, grad_bytes, args.resident)
         print(f"{name:8} {b['parameters'] / 1e6:7.0f}M {b['fsdp'] / 1e6:11.0f} {b['manifold_muon'] / 1e6:13.0f} "
               f"{b['manifold_muon'] / b['fsdp']:6.1%} {b['gather_every_matrix'] / 1e6:13.0f}")
 
