@@ -127,8 +127,8 @@ def test_steepest_direction_is_unit_whatever_the_gradients_scale(flow):
 
 
 def test_the_carried_correction_survives_a_change_of_the_gradients_scale():
-    # the warm start is kept in units of the unit tangent gradient: a step from it on c G is the
-    # step on G, and a gradient with a large normal part does not rescale it
+    # a guard (it held before issue 58's fix too): the warm start is in units of the unit gradient,
+    # so a step from it on c G is the step on G, down to c = 1e-3
     W, _ = random_point((96, 32), "stiefel", seed=6)
     plan = plan_for(SolverOptions(), "cpu")
     geo = geometry("stiefel")
@@ -136,12 +136,9 @@ def test_the_carried_correction_survives_a_change_of_the_gradients_scale():
     G = torch.randn(1, 96, 32, generator=g)
     first = solve_tall_banks([(W[None], G, geo, None)], plan)[0]
     G2 = G + 0.1 * torch.randn(1, 96, 32, generator=g)
-    normal = W[None] @ (lambda S: S + S.mT)(torch.randn(1, 32, 32, generator=g))
-    answers = [solve_tall_banks([(W[None], G2 * c + normal * n, geo, first.state)], plan)[0]
-               for c, n in ((1.0, 0.0), (1e-3, 0.0), (1.0, 5.0))]
-    for other in answers[1:]:
-        torch.testing.assert_close(other.A, answers[0].A, rtol=0, atol=2e-4)
-        torch.testing.assert_close(other.state, answers[0].state, rtol=0, atol=2e-4)
+    answers = [solve_tall_banks([(W[None], G2 * c, geo, first.state)], plan)[0] for c in (1.0, 1e-3)]
+    torch.testing.assert_close(answers[1].A, answers[0].A, rtol=0, atol=2e-4)
+    torch.testing.assert_close(answers[1].state, answers[0].state, rtol=0, atol=2e-4)
 
 
 def test_qk_clip_scales_the_warm_start_with_the_matrix():
