@@ -43,6 +43,7 @@ import sys
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from errors import UserError
 from manifolds.assignment import MATRIX_KEYS, QKV_BLOCKS, parse_assignment, qkv_blocks
@@ -262,7 +263,10 @@ def project_matrices(matrices, dgram_cap=1.0, only=None):
             geo = geometry(manifolds[lo], dgram_cap)
             if not geo.constrained:
                 return None
-            if bool(geo.violation(tall(block.float(), transposed)) <= on_manifold_tol(dtype)):  # NaN: projected
+            # a tensor without values (meta device, FakeTensorMode: bench.cost_model's count) has no
+            # violation to read: projected as before, so that its cost is counted
+            has_values = not (block.is_meta or is_fake(block))
+            if has_values and bool(geo.violation(tall(block.float(), transposed)) <= on_manifold_tol(dtype)):  # NaN: projected
                 return None
             return project_to_manifold(block.float(), manifolds[lo], dgram_cap, transposed)
 
