@@ -523,8 +523,9 @@ class ManifoldMuon(torch.optim.Optimizer):
             others = [i for i, p in enumerate(params) if is_sharded(p)]
             if checked:
                 finite = torch.stack(torch._foreach_norm([grads[i] for i in checked], float("inf"))).isfinite()
+                zero = finite.new_zeros((), dtype=torch.float32)  # one tensor, not a scalar_tensor launch per matrix
                 for i, ok in zip(checked, finite.unbind(0)):
-                    grads[i] = torch.where(ok, grads[i], 0.0)
+                    grads[i] = torch.where(ok, grads[i], zero)
                     self._finite[id(params[i])] = ok
                 # mu, or 1 for a matrix with a non-finite gradient: its momentum as it was
                 torch._foreach_mul_([bufs[i] for i in checked], list(torch.where(finite, mu, 1.0).unbind(0)))
