@@ -210,6 +210,23 @@ def call_site(packages=("manifolds", "kernels")):
     return None
 
 
+class HostReads(HostReadMode):
+    """Counts host reads of device values (`count`): the aten ops they end in (item, bool, float,
+    if tensor:) and the Tensor methods that read without one (tolist, numpy, cpu, to("cpu"))."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def host_read(self, _):
+        self.count += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.reads_host(func):
+            self.host_read(func)
+        return func(*args, **(kwargs or {}))
+
+
 class OpCounter(HostReadMode):
     """Counts aten ops (see the module docstring); `summary()` gives the totals.
     sites=True also sums product and linalg FLOPs, and host syncs, by call site (`call_site`)."""

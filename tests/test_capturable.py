@@ -2,29 +2,13 @@
 import pytest
 import torch
 
-from manifolds.step_graph import HostReadMode, NotCapturable, Recorded
+from bench.op_count import HostReads
+from manifolds.step_graph import NotCapturable, Recorded
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
 from manifolds.dual import admm_full, solve_tall, unit
 from manifolds.geometry import geometry
 from manifolds.plan import SolverOptions, plan_for
 from manifolds.optimum import optimum, quality, random_point
-
-
-class HostSyncs(HostReadMode):
-    """Counts host reads of device values: the aten ops they end in (item, bool, float, if
-    tensor:) and the Tensor methods that read without one (tolist, numpy, cpu, to("cpu"))."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def host_read(self, _):
-        self.count += 1
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.reads_host(func):
-            self.host_read(func)
-        return func(*args, **(kwargs or {}))
 
 
 def hetero_bank(seed=0, d=32, layers=2):
@@ -45,7 +29,7 @@ def run_steps(capturable, steps=4, count_last=False, scheme="admm"):
     params = [p for g in groups for p in g["params"]]
     opt = ManifoldMuon(groups, lr=0.05, scheme=scheme, capturable=capturable)
     g = torch.Generator().manual_seed(1)
-    syncs = HostSyncs()
+    syncs = HostReads()
     for step in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g) + (p.grad if p.grad is not None else 0)
@@ -264,7 +248,7 @@ def test_each_host_read_is_counted_once_and_the_graph_emulation_refuses_it(read)
     # all); on CUDA each waits for the device, and a graph would freeze the value it read
     from bench.op_count import OpCounter
     X = torch.ones(3)
-    with HostSyncs() as syncs:
+    with HostReads() as syncs:
         read(X)
     assert syncs.count == 1
     with OpCounter() as counter:
@@ -273,10 +257,10 @@ def test_each_host_read_is_counted_once_and_the_graph_emulation_refuses_it(read)
     with pytest.raises(NotCapturable):
         with Recorded():
             read(X)
-    with HostSyncs() as syncs:  # device-side work, and copies that do not wait for the device
+    with HostReads() as syncs:  # device-side work, and copies that do not wait for the device
         X.to(torch.float16), X.to(X), X.to("cpu", non_blocking=True), X.sum() > 0
     assert syncs.count == 0
-    with HostSyncs() as syncs:
+    with HostReads() as syncs:
         read(X)  # the methods are restored on exit and watched again on the next entry
     assert syncs.count == 1 and not {"tolist", "numpy", "cpu", "to"} & set(vars(torch.Tensor))
 

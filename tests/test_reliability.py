@@ -444,25 +444,12 @@ def test_adamw_step_on_a_non_finite_flag_keeps_parameters_and_state_bitwise(fuse
 @pytest.mark.parametrize("fused", [False, True])
 def test_the_skip_gate_reads_nothing_on_the_host(fused):
     """clip_or_mark, adamw_step and forget_logits add no host read (no device sync) to a step:
-    counted as tests/test_capturable.py counts them, against torch's own clip and AdamW step (the
+    counted by bench.op_count.HostReads, against torch's own clip and AdamW step (the
     unfused AdamW reads its step count on the host by itself)."""
     import torch
 
-    from manifolds.step_graph import HostReadMode
+    from bench.op_count import HostReads
     from training.nonfinite import adamw_step, clip_or_mark, forget_logits
-
-    class Reads(HostReadMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-
-        def host_read(self, _):
-            self.count += 1
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if self.reads_host(func):
-                self.host_read(func)
-            return func(*args, **(kwargs or {}))
 
     class Attention:
         logit_max = torch.zeros(2)
@@ -477,7 +464,7 @@ def test_the_skip_gate_reads_nothing_on_the_host(fused):
         for value in (1.0, bad):
             for p in params:
                 p.grad = torch.full_like(p, value)
-            with Reads() as reads:
+            with HostReads() as reads:
                 if gated:
                     _, finite = clip_or_mark(params, 1.0)
                     adamw_step(adamw, finite)
