@@ -1383,8 +1383,9 @@ def check_divergence(run, step, record, evaluated):
 
 def save(run, steps_done, prefix="ckpt"):
     """Checkpoint the run after `steps_done` steps: ckpt_<steps>.pt in the rotation of
-    --keep-ckpts, or <prefix>_<steps>.pt. A collective (Muon's state is gathered from every
-    rank); rank 0 writes, and a failed write stops every rank here (exchange_status)."""
+    --keep-ckpts, or <prefix>_<steps>.pt. Every rank holds Muon's whole state (DDP), so rank 0
+    writes what it has; the call is still a collective: a failed write stops every rank here
+    (exchange_status)."""
     if run.args.fsdp:
         check_replicas(run.model)  # HSDP: a checkpoint of drifted replicas would keep one of them
         save_sharded_checkpoint(run, steps_done, prefix)
