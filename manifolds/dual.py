@@ -63,6 +63,18 @@ STATS = len(STAT_FIELDS)
 
 # --- small helpers --------------------------------------------------------------------------
 
+def exact_rescale(G):
+    """G scaled per matrix by a power of two so that its largest |entry| lies in [0.5, 1): exact
+    (no mantissa bit changes, so a G of ordinary size gives the same bits downstream), and what
+    follows forms squares and norms that neither overflow (a G near fp32's largest value: its
+    squares are inf, and the step read as no signal) nor underflow (a G of 1e-30: squares of
+    1e-60 are 0 in fp32). A zero or non-finite matrix is left as it is (frexp's exponent 0); the
+    exponent is clamped so that the factor 2^-e itself stays finite (a subnormal G is lifted to
+    2^-12 at least, not to [0.5, 1))."""
+    _, exponent = torch.frexp(G.abs().amax(dim=(-2, -1), keepdim=True))
+    return torch.ldexp(G, (-exponent).clamp(-120, 120)).to(G.dtype)
+
+
 def unit(G):
     """G / ||G||_F per matrix: the direction does not depend on G's scale, the multiplier does."""
     return G / G.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
@@ -684,6 +696,8 @@ def solve_tall_banks(banks, plan):
     c_attn, c_fc and mlp.c_proj of all layers are 36 problems of 1536 x 768, each product of an
     iteration one launch for all. Every other bank goes through solve_tall.
     """
+    # every bank's G on one scale (exact): gradients near fp32's range ends step as any other
+    banks = [(W, exact_rescale(G), geo, state) for W, G, geo, state in banks]
     if plan.options.scheme == "online":
         return online_banks(banks, plan)
     solutions = [None] * len(banks)
@@ -769,5 +783,5 @@ def steepest_direction(W, G, manifold, dgram_cap=1.0, **solver_opts):
     wide = W.size(-2) < W.size(-1)
     if wide:
         W, G = W.mT, G.mT
-    A = solve_tall(W, G, geometry(manifold, dgram_cap), None, plan).A
+    A = solve_tall(W, exact_rescale(G), geometry(manifold, dgram_cap), None, plan).A
     return A.mT if wide else A

@@ -200,3 +200,28 @@ def test_the_hyperball_keeps_the_better_answer_on_a_rank_deficient_gradient(flow
         best, _ = optimum(W, G, "hyperball", tol=1e-10)
         worst = min(worst, quality(W, G, steepest_direction(W, G, "hyperball", **FLOWS[flow]), best))
     assert worst >= 0.97, worst
+
+
+@pytest.mark.parametrize("scheme", ["online", "admm"])
+@pytest.mark.parametrize("flow", sorted(FLOWS))
+def test_gradients_at_the_ends_of_fp32s_range_step_as_at_scale_one(scheme, flow):
+    """Muon's step ignores G's scale, so gradients scaled by 2^-100 (squares underflow to 0 in
+    fp32) or 2^120 (squares overflow to inf) give the bits that scale 1 gives (a power of two
+    scales exactly; dual.exact_rescale). Before, both read as no signal or lost digits: W stayed
+    put at 2^120 on every manifold, plain Muon included, and moved 1e-4 off at 2^-100."""
+    for manifold, shape in CASES + [("none", (24, 72))]:
+        weights = {}
+        for scale in (1.0, 2.0 ** -100, 2.0 ** 120):
+            g = torch.Generator().manual_seed(0)
+            W = torch.randn(shape, generator=g) / shape[0] ** 0.5
+            constrained = manifold not in ("hyperball", "none")
+            p = torch.nn.Parameter(project_to_manifold(W, manifold, 2.0) if constrained else W)
+            opt = ManifoldMuon([{"params": [p], "manifold": manifold, "dgram_cap": 2.0}], lr=0.05, momentum=0.9,
+                               scheme=scheme, **FLOWS[flow])
+            for _ in range(3):
+                p.grad = torch.randn(shape, generator=g) * scale
+                opt.step()
+            weights[scale] = p.detach().clone()
+        for scale in (2.0 ** -100, 2.0 ** 120):
+            assert torch.equal(weights[scale], weights[1.0]), \
+                (manifold, shape, scale, float((weights[scale] - weights[1.0]).abs().max()))
