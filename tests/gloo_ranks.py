@@ -1,5 +1,7 @@
-"""The end of a test's rank process (multiprocessing spawn, one rank of a gloo group)."""
+"""A test's rank processes (multiprocessing spawn, one rank of a gloo group each): started and
+joined by `run_ranks`, ended by `end_rank_process`."""
 import gc
+import multiprocessing
 import os
 import sys
 import traceback
@@ -25,3 +27,15 @@ def end_rank_process(code=0):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if failed else code)
+
+
+def run_ranks(target, args_of_rank, world_size, timeout):
+    """Start `target(*args_of_rank(rank))` for every rank, spawned (not forked: a rank forked from
+    pytest's threads can hang before its first line), wait for them and check that all exited 0."""
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=target, args=args_of_rank(rank)) for rank in range(world_size)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=timeout)
+    assert [process.exitcode for process in ranks] == [0] * world_size

@@ -2,14 +2,13 @@
 the same weights, bit for bit, as the whole model built in one process with the same seed, the
 generator left where that build leaves it, and a rank's memory growing by its shards plus one
 block, not by the whole model."""
-import multiprocessing
 import os
 
 import pytest
 import torch
 
 import train_gpt2
-from gloo_ranks import end_rank_process
+from gloo_ranks import end_rank_process, run_ranks
 from training import meta_init
 
 SEED = 7
@@ -56,14 +55,7 @@ def rank_main(rank, world, store, out, chunk):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("meta")
-    context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=rank_main, args=(r, 2, str(tmp / "store"), str(tmp / f"rank{r}.pt"), 48))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(rank_main, lambda r: (r, 2, str(tmp / "store"), str(tmp / f"rank{r}.pt"), 48), 2, timeout=240)
     return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
 
 

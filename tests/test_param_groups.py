@@ -1,6 +1,5 @@
 """manifold_param_groups: ManifoldMuon's groups for our GPT, transformers' GPT-2 and Llama, from a
 preset, a role spec or glob patterns; the weights start on their manifolds and stay there."""
-import multiprocessing
 import os
 
 import pytest
@@ -9,7 +8,7 @@ import torch.distributed as dist
 
 import train_gpt2
 from errors import UserError
-from gloo_ranks import end_rank_process
+from gloo_ranks import end_rank_process, run_ranks
 from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation
 from manifolds.assignment import parse_assignment
 from manifolds.param_groups import assigned_matrices, muon_groups
@@ -282,15 +281,7 @@ def rank_main(rank, world_size, store, out_dir):
 
 
 def test_two_gloo_ranks_end_with_the_weights_of_one_process(tmp_path):
-    # spawned, not forked: a rank forked from pytest's threads can hang before its first line
-    context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=rank_main, args=(rank, 2, str(tmp_path / "store"), str(tmp_path)))
-             for rank in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=120)
-    assert [process.exitcode for process in ranks] == [0, 0]
+    run_ranks(rank_main, lambda rank: (rank, 2, str(tmp_path / "store"), str(tmp_path)), 2, timeout=120)
     (rank0, world0), (rank1, world1) = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: the same sums in the same order

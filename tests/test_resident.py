@@ -10,14 +10,13 @@ p.data.mul_, the local tensor's .data, torch.distributed.checkpoint's in-place l
 (and of the optimizer alone: the warm starts), a QK-Clip-like scaling of some rows through
 param.data; and bf16-stored parameters, unedited (the shards round every new W to bf16).
 """
-import multiprocessing
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from gloo_ranks import end_rank_process
+from gloo_ranks import end_rank_process, run_ranks
 from manifolds import ManifoldMuon, manifold_param_groups
 from manifolds.plan import SolverOptions
 
@@ -146,14 +145,7 @@ def rank_main(rank, store, out_dir):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("resident"))
-    context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=rank_main, args=(rank, os.path.join(out_dir, "store"), out_dir))
-             for rank in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=300)
-    assert [process.exitcode for process in ranks] == [0, 0]
+    run_ranks(rank_main, lambda rank: (rank, os.path.join(out_dir, "store"), out_dir), 2, timeout=300)
     return [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(2)]
 
 

@@ -3,14 +3,13 @@ added later, square Conv1D weights on their nn.Linear twin's side, "adamw" group
 optimizer for a whole model, and the clients around it (lr schedulers, hooks, closures, state_dict,
 deepcopy, the transformers Trainer, 2 ranks under DDP)."""
 import copy
-import multiprocessing
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from gloo_ranks import end_rank_process
+from gloo_ranks import end_rank_process, run_ranks
 from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation, project_to_manifold
 
 transformers = pytest.importorskip("transformers")
@@ -403,14 +402,7 @@ def rank_main(rank, world_size, store, out_dir):
 
 
 def test_two_gloo_ranks_with_a_frozen_layer_stay_bitwise_equal(tmp_path):
-    context = multiprocessing.get_context("spawn")  # not fork: see bench/memory.py's live()
-    ranks = [context.Process(target=rank_main, args=(rank, 2, str(tmp_path / "store"), str(tmp_path)))
-             for rank in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=120)
-    assert [process.exitcode for process in ranks] == [0, 0]
+    run_ranks(rank_main, lambda rank: (rank, 2, str(tmp_path / "store"), str(tmp_path)), 2, timeout=120)
     (rank0, world0), (rank1, world1) = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     start = {n: p.detach() for n, p in tiny_llama().named_parameters()}
     threads = torch.get_num_threads()
@@ -513,14 +505,8 @@ def free_port():
 
 def test_lightning_and_the_trainer_under_ddp_resume_bitwise_from_rank_0s_checkpoint(tmp_path):
     pytest.importorskip("lightning")
-    context = multiprocessing.get_context("spawn")
     port = free_port()
-    ranks = [context.Process(target=checkpoint_rank, args=(rank, 2, port, str(tmp_path))) for rank in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=400)
-    assert [process.exitcode for process in ranks] == [0, 0]
+    run_ranks(checkpoint_rank, lambda rank: (rank, 2, port, str(tmp_path)), 2, timeout=400)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert not (tmp_path / "trainer" / "checkpoint-4" / "rng_state.pth").exists()  # 2 ranks ran it
     for run in ("lightning", "trainer"):
