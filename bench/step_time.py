@@ -3,7 +3,7 @@
     python -m bench.step_time                       # GPT-2 small, 64 x 1024 tokens, bf16 autocast
     python -m bench.step_time --assign unconstrained
 
-Builds train_gpt2.GPT (GPT-2 small by default), runs forward+backward of a --batch x --seq-len
+Builds model.GPT (GPT-2 small by default), runs forward+backward of a --batch x --seq-len
 token batch (random tokens; split into --micro-batch pieces to bound memory), then times the
 ManifoldMuon step on the real gradients for each --assign given, as the trainer runs it (warm
 started after the first step), for each kernel backend and ADMM clip (each an optimizer of its
@@ -26,6 +26,7 @@ import train_gpt2
 from bench.results import Results
 from manifolds import ManifoldMuon
 from manifolds.step_graph import StepGraph, lr_in_device_tensors
+from model import GPT, GPTConfig
 
 
 def timed(fn, device, repeat):
@@ -100,8 +101,8 @@ def main(argv=None):
                                        str(args.n_embd), "--n-head", str(args.n_head), "--seq-len", str(args.seq_len)])
         train_gpt2.validate_args(targs)
         torch.manual_seed(0)
-        model = train_gpt2.GPT(train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
-                                                    50304)).to(device)
+        model = GPT(GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
+                              50304)).to(device)
         muon, adamw = train_gpt2.build_optimizers(model, targs, device)
         step_model = torch.compile(model) if args.compile else model
         tokens = torch.randint(0, 50257, (args.batch, args.seq_len + 1), device=device)

@@ -17,6 +17,7 @@ import torch
 
 import train_gpt2
 from bench.results import Results
+from model import GPT, GPTConfig
 
 
 def build(setting, args, device):
@@ -25,8 +26,8 @@ def build(setting, args, device):
                                            "--n-head", str(args.n_head), "--seq-len", str(args.seq_len)])
     train_gpt2.validate_args(targs)
     torch.manual_seed(0)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
-                                                50304)).to(device)
+    model = GPT(GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
+                          50304)).to(device)
     muon, adamw = train_gpt2.build_optimizers(model, targs, device)
     return model, muon, adamw
 

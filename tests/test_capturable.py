@@ -146,11 +146,12 @@ def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_800_ops_and_sync_
     # 768: the op count does not depend on the width); the torch path, as the profiler sees it
     import train_gpt2
     from bench.op_count import OpCounter
+    from model import GPT, GPTConfig
     args = train_gpt2.parse_args(["--assign", "hetero", "--n-layer", "12", "--n-embd", "64", "--n-head", "4",
                                   "--seq-len", "64", "--solver-opt", "capturable=on"])
     train_gpt2.validate_args(args)
     torch.manual_seed(0)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(12, 4, 64, 64, 512))
+    model = GPT(GPTConfig(12, 4, 64, 64, 512))
     muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
     assert muon.plan.capturable
     params = [p for group in muon.param_groups for p in group["params"]]

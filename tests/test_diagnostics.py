@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import train_gpt2
+from model import GPT, GPTConfig
 from synthetic import TINY_MODEL, make_shards
 from training.diagnostics import AttentionProbe, matrix_stats
 from training.run_log import flat_metrics
@@ -71,7 +72,7 @@ def tiny_model_and_val(data_dir):
     args = train_gpt2.parse_args(["--data-dir", data_dir, *TINY_MODEL, "--n-layer", "2", "--eval-tokens", "512"])
     train_gpt2.validate_args(args)
     torch.manual_seed(0)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(2, 2, 32, 32, 64))
+    model = GPT(GPTConfig(2, 2, 32, 32, 64))
     stream = train_gpt2.TokenStream(train_gpt2.find_shards(data_dir, "val"), 64)
     device, _, autocast = train_gpt2.resolve_device(args)
     return args, model, stream, device, autocast

@@ -8,9 +8,9 @@ import torch
 
 import export_hf
 import sample
-import train_gpt2
 from data.bpe import gpt2_encoding
 from errors import run_cli
+from model import GPT, GPTConfig
 from synthetic import make_shards
 from tiny_gpt import tiny_model, train_checkpoints, trainer_logits, write_checkpoint
 from training.model_io import EOT, GPT2_VOCAB, find_checkpoint, gpt2_logits
@@ -131,8 +131,8 @@ def test_a_trained_checkpoint_exports_and_verifies(tmp_path):
     difference = export_hf.export(payload, str(tmp_path / "hf"), gpt2_encoding()[0], verify=True)
     assert difference <= RELATIVE_TOLERANCE
     flags = payload["args"]
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(flags["n_layer"], flags["n_head"], flags["n_embd"], flags["seq_len"],
-                                                flags["vocab_size"]))
+    model = GPT(GPTConfig(flags["n_layer"], flags["n_head"], flags["n_embd"], flags["seq_len"],
+                          flags["vocab_size"]))
     model.load_state_dict(payload["model"])
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     idx = torch.randint(0, GPT2_VOCAB, (3, flags["seq_len"]), generator=torch.Generator().manual_seed(1))

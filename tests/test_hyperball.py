@@ -15,6 +15,7 @@ from manifolds.geometry import geometry
 from manifolds.optimum import optimum, quality, random_point
 from manifolds.plan import SolverOptions, plan_for
 from manifolds.reference import steepest_direction_reference
+from model import GPT, GPTConfig
 from synthetic import TINY_MODEL, make_shards, train_in_process
 
 HYPERBALL = geometry("hyperball")
@@ -141,8 +142,8 @@ def train(data_dir, out_dir, assign, *flags):
 def initial_model(seed=1337):
     args = train_gpt2.parse_args(TINY_MODEL)
     torch.manual_seed(seed)  # as train_gpt2.setup builds it
-    return train_gpt2.GPT(train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
-                                               args.vocab_size)).state_dict()
+    return GPT(GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
+                         args.vocab_size)).state_dict()
 
 
 def test_the_trainer_keeps_the_radii_and_the_reference_trains_as_the_fast_solver(tmp_path):

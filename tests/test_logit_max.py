@@ -84,9 +84,9 @@ def test_the_kernel_compiles_for_both_gpus():
 def test_a_compiled_attention_tracks_the_same_maximum_without_a_graph_break():
     # --compile --qk-clip: the custom op keeps the compiled forward one graph (fullgraph raises on
     # a break) and gives the eager maximum (inductor on CPU here)
-    import train_gpt2
+    from model import CausalSelfAttention, GPTConfig
     torch.manual_seed(0)
-    attention = train_gpt2.CausalSelfAttention(train_gpt2.GPTConfig(1, 2, 32, 16, 64)).train()
+    attention = CausalSelfAttention(GPTConfig(1, 2, 32, 16, 64)).train()
     attention.track_logits = True
     x = torch.randn(2, 16, 32)
     maxima = []

@@ -9,13 +9,14 @@ import torch
 
 import train_gpt2
 from gloo_ranks import end_rank_process, run_ranks
+from model import GPT, GPTConfig
 from training import meta_init
 
 SEED = 7
 
 
 def config(n_embd=32, vocab=130, qk_norm=False):
-    return train_gpt2.GPTConfig(2, 2, n_embd, 16, vocab, qk_norm=qk_norm)
+    return GPTConfig(2, 2, n_embd, 16, vocab, qk_norm=qk_norm)
 
 
 def rank_main(rank, world, store, out, chunk):
@@ -31,7 +32,7 @@ def rank_main(rank, world, store, out, chunk):
         results = {}
         for qk_norm in (False, True):  # an odd vocabulary: rows split unevenly, chunks across rows
             torch.manual_seed(123)  # build_sharded seeds the generator itself
-            model = build_sharded(lambda: train_gpt2.GPT(config(qk_norm=qk_norm)), torch.device("cpu"), "float32",
+            model = build_sharded(lambda: GPT(config(qk_norm=qk_norm)), torch.device("cpu"), "float32",
                                   0, SEED)
             results[qk_norm] = {"state": {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
                                           for k, v in model.state_dict().items()},
@@ -41,7 +42,7 @@ def rank_main(rank, world, store, out, chunk):
         meta_init.CHUNK = 1 << 16
         big = config(n_embd=512, vocab=8192)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        model = build_sharded(lambda: train_gpt2.GPT(big), torch.device("cpu"), "float32", 0, SEED)
+        model = build_sharded(lambda: GPT(big), torch.device("cpu"), "float32", 0, SEED)
         grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
         shard = sum(p.to_local().numel() * 4 for p in dict.fromkeys(model.parameters()))
         whole = sum(p.numel() * 4 for p in dict.fromkeys(model.parameters()))
@@ -62,7 +63,7 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_the_sharded_build_has_the_one_process_weights_bit_for_bit(ranks, qk_norm):
     torch.manual_seed(SEED)
-    whole = train_gpt2.GPT(config(qk_norm=qk_norm))
+    whole = GPT(config(qk_norm=qk_norm))
     after = torch.rand(4)  # the generator where the one-process build leaves it
     expected = whole.state_dict()
     for rank in ranks:
@@ -144,7 +145,7 @@ def test_an_init_imported_by_name_is_recorded_too():
 
 def test_the_trainers_gpt_built_on_meta_equals_the_eager_build_in_one_process():
     for qk_norm in (False, True):
-        eager, eager_next, replayed, replayed_next = built_both_ways(lambda: train_gpt2.GPT(config(qk_norm=qk_norm)))
+        eager, eager_next, replayed, replayed_next = built_both_ways(lambda: GPT(config(qk_norm=qk_norm)))
         assert not [k for k in eager if not torch.equal(eager[k], replayed[k])]
         assert torch.equal(eager_next, replayed_next)
 

@@ -13,6 +13,7 @@ from manifolds.dual import finalize_banks, solve_tall_banks
 from manifolds.geometry import geometry
 from manifolds.optimum import optimum, quality, random_point
 from manifolds.plan import SolverOptions, plan_for
+from model import GPT, GPTConfig
 from training.qk_clip import QKClip
 
 FLOWS = {"cpu": {}, "gpu": {"clip": "polynomial", "capturable": True}}
@@ -152,8 +153,8 @@ def test_qk_clip_scales_the_warm_start_with_the_matrix():
                                   "--vocab-size", "64", "--assign", "all-dgram"])
     train_gpt2.validate_args(args, world_size=1)
     torch.manual_seed(0)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
-                                                args.vocab_size))
+    model = GPT(GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
+                          args.vocab_size))
     muon, _ = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
     param = model.blocks[0].attn.c_attn.weight
     params = [p for group in muon.param_groups for p in group["params"]]

@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import train_gpt2
 from errors import UserError
 from gloo_ranks import end_rank_process, run_ranks
 from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation
 from manifolds.assignment import parse_assignment
 from manifolds.param_groups import assigned_matrices, muon_groups
+from model import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()  # the tiny vocabulary draws a warning about GPT-2's token ids
@@ -33,7 +33,7 @@ def tiny_llama(seed=0):
 
 def our_gpt(seed=0):
     torch.manual_seed(seed)
-    return train_gpt2.GPT(train_gpt2.GPTConfig(2, 2, 32, 16, 64))
+    return GPT(GPTConfig(2, 2, 32, 16, 64))
 
 
 def described(model, groups):

@@ -22,12 +22,12 @@ WORKER = textwrap.dedent('''
     if mode != "replicated":
         from torch.distributed import fsdp as _fsdp, tensor as _tensor  # noqa: F401 (before the group)
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
-    import train_gpt2
     import manifolds.work as work_module
     from manifolds import ManifoldMuon, manifold_param_groups
     from manifolds.plan_check import PlanMismatch
+    from model import GPT, GPTConfig
     torch.manual_seed(0)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=2, n_head=2, n_embd=16, seq_len=8, vocab_size=32))
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, seq_len=8, vocab_size=32))
     if mode != "replicated":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from gloo_ranks import end_rank_process
-from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation, sharded
+from manifolds import ManifoldMuon, exchange, manifold_param_groups, manifold_violation
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-import train_gpt2  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
 BATCH, SEQ, VOCAB, STEPS = 6, 16, 64, 3
 RUNS = [("gpt", "muon"), ("gpt", "sgd"), ("gpt", "clients"), ("llama", "muon"), ("llama", "sgd"), ("hf-gpt2", "muon"),
@@ -71,7 +71,7 @@ SENSITIVITY_FACTOR = 4
 def build(case, seed=0):
     torch.manual_seed(seed)
     if case == "gpt":
-        return train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=5, n_head=2, n_embd=16, seq_len=SEQ, vocab_size=VOCAB))
+        return GPT(GPTConfig(n_layer=5, n_head=2, n_embd=16, seq_len=SEQ, vocab_size=VOCAB))
     if case == "hf-gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_layer=5, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
@@ -96,7 +96,7 @@ def batches(step, rank=0, world_size=1):
 
 def loss_of(model, step, rank=0, world_size=1):
     x, y = batches(step, rank, world_size)
-    if isinstance(model, train_gpt2.GPT):
+    if isinstance(model, GPT):
         return model(x, y)
     logits = model(x).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
@@ -137,7 +137,7 @@ def train(model, opt, steps, rank=0, world_size=1, perturb=None, counts=None, fi
     losses = []
     generator = torch.Generator().manual_seed(perturb[2] if perturb else 5)
     for step in steps:
-        if step == 1 and isinstance(model, train_gpt2.GPT):
+        if step == 1 and isinstance(model, GPT):
             # a weight changed outside the step, in place (on every rank, as DTensor operations are):
             # the owners' resident copies of it are stale (test_resident_copies_change_the_bytes_not_the_bits)
             with torch.no_grad():
@@ -209,23 +209,23 @@ def rank_main(rank, world_size, store, out_dir, checkpoint_in):
             losses = train(model, opt, range(STEPS), rank, world_size, counts=counts, first=first)
             results[f"{case}/{kind}"] = {"losses": losses, "weights": gathered(model), "counts": counts,
                                          "first": first[0],
-                                         "steady": sharded.steady_received_bytes(opt) if kind == "muon" else None}
+                                         "steady": exchange.steady_received_bytes(opt) if kind == "muon" else None}
         for layout in LAYOUTS.get(world_size, []):
             on = (init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard")) if layout == "hsdp"
                   else mesh)
             model = shard(build("gpt"), on, "cols" if layout == "cols" else "rows")
             opt = optimizer(model, "gpt", "muon", **WIRE.get(layout, {}))
-            bucket = sharded.EXCHANGE_BUCKET
+            bucket = exchange.EXCHANGE_BUCKET
             if layout.startswith("buckets"):  # buckets of P largest pieces: every bank cut, q/k/v apart
-                sharded.EXCHANGE_BUCKET = 1
+                exchange.EXCHANGE_BUCKET = 1
             counts, first = [], []
             try:
                 losses = train(model, opt, range(STEPS), rank, world_size, counts=counts, first=first)
             finally:
-                sharded.EXCHANGE_BUCKET = bucket
+                exchange.EXCHANGE_BUCKET = bucket
             results[f"gpt/muon/{layout}"] = {"losses": losses, "weights": gathered(model), "first": first[0],
                                              "stats": opt.stats(), "counts": counts,
-                                             "steady": sharded.steady_received_bytes(opt)}
+                                             "steady": exchange.steady_received_bytes(opt)}
         if world_size == 2:  # a layout the exchange does not handle: one error naming it
             from torch.distributed.tensor import Shard, distribute_tensor
             two_d = init_device_mesh("cpu", (1, 2))

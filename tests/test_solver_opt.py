@@ -7,6 +7,7 @@ import torch
 import train_gpt2
 from manifolds.plan import show_value, solver_value_kind
 from errors import UserError, run_cli
+from model import GPT, GPTConfig
 from training.checkpoints import checkpoint_payload, restore
 
 BASE = ["--assign", "hetero", "--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
@@ -18,7 +19,7 @@ def build(*flags):
     args = train_gpt2.parse_args([*BASE, *flags])
     train_gpt2.validate_args(args, world_size=1)
     torch.manual_seed(0)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 16, 64))
+    model = GPT(GPTConfig(1, 2, 32, 16, 64))
     muon, adamw = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
     return model, muon, adamw, args
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import train_gpt2
 from errors import UserError
 from manifolds import manifold_violation
+from model import GPT, GPTConfig
 from test_reliability import data_dir, rows, run, train_losses  # noqa: F401 (fixture)
 from training.diagnostics import AttentionProbe
 from training.qk_clip import QKClip
@@ -21,9 +22,9 @@ def build(assign="unconstrained", *flags, scale=1.0, seed=0):
     args = train_gpt2.parse_args(BASE + ["--assign", assign, *flags])
     train_gpt2.validate_args(args, world_size=1)
     torch.manual_seed(seed)
-    cfg = train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size,
-                               qk_norm=args.qk_norm, attn_softcap=args.attn_softcap)
-    model = train_gpt2.GPT(cfg)
+    cfg = GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.vocab_size,
+                    qk_norm=args.qk_norm, attn_softcap=args.attn_softcap)
+    model = GPT(cfg)
     with torch.no_grad():
         for block in model.blocks:
             block.attn.c_attn.weight.mul_(scale)

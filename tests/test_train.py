@@ -10,6 +10,7 @@ import torch
 
 import train_gpt2
 from manifolds.assignment import PRESETS
+from model import GPT, GPTConfig
 from synthetic import TINY_MODEL, make_shards, trainer_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,8 +82,8 @@ def test_adamw_only_baseline_trains_every_matrix_with_adamw(data_dir, tmp_path):
     args = train_gpt2.parse_args(["--data-dir", data_dir, *TINY_MODEL, "--optimizer", "adamw",
                                   "--assign", "unconstrained"])
     train_gpt2.validate_args(args)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
-                                                args.vocab_size))
+    model = GPT(GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
+                          args.vocab_size))
     muon, adamw = train_gpt2.build_optimizers(model, args, torch.device("cpu"))
     assert not any(group["params"] for group in muon.param_groups)
     in_adamw = {id(p) for group in adamw.param_groups for p in group["params"]}
@@ -127,7 +128,7 @@ def test_validation_loss_is_a_fixed_token_set(data_dir, tmp_path):
     args = train_gpt2.parse_args(["--data-dir", data_dir, *TINY_MODEL, "--eval-tokens", "640"])
     train_gpt2.validate_args(args)
     torch.manual_seed(0)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(1, 2, 32, 32, 64))
+    model = GPT(GPTConfig(1, 2, 32, 32, 64))
     stream = train_gpt2.TokenStream(train_gpt2.find_shards(data_dir, "val"), 64)
     device, _, autocast = train_gpt2.resolve_device(args)
     first = train_gpt2.evaluate(model, stream, args, device, autocast)
@@ -303,8 +304,8 @@ def test_model_presets_give_the_gpt2_family_and_explicit_sizes_override_them():
     for name, count in published.items():
         args = train_gpt2.parse_args(["--model", name, "--vocab-size", "50257"])
         with torch.device("meta"):
-            model = train_gpt2.GPT(train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
-                                                        args.vocab_size))
+            model = GPT(GPTConfig(args.n_layer, args.n_head, args.n_embd, args.seq_len,
+                                  args.vocab_size))
         n = sum(p.numel() for p in model.parameters())
         assert 0.995 * count <= n <= count, (name, n)
     args = train_gpt2.parse_args(["--model", "gpt2-medium", "--n-layer", "2"])

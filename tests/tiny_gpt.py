@@ -10,12 +10,13 @@ import os
 import torch
 
 import train_gpt2
+from model import GPT, GPTConfig
 from training.checkpoints import checkpoint_path, save_atomic
 
 
 def tiny_model(n_layer=2, n_head=2, n_embd=32, seq_len=32, vocab_size=50304, seed=0):
     torch.manual_seed(seed)
-    model = train_gpt2.GPT(train_gpt2.GPTConfig(n_layer, n_head, n_embd, seq_len, vocab_size))
+    model = GPT(GPTConfig(n_layer, n_head, n_embd, seq_len, vocab_size))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "ln_" in name:

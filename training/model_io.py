@@ -17,9 +17,9 @@ import warnings
 import torch
 
 from errors import UserError
+from model import GPT, GPTConfig
 from training.checkpoints import list_checkpoints, load_checkpoint, load_newest
 from training.sharded_checkpoints import list_sharded_checkpoints, load_run_payload, verify_sharded
-from train_gpt2 import GPT, GPTConfig
 
 GPT2_VOCAB = 50257  # tokens of the GPT-2 BPE, end-of-text (50256) included
 EOT = 50256
