@@ -5,6 +5,7 @@
     python -m bench.cost_model --solver-opt capturable=off      # the syncing step (early exits)
     python -m bench.cost_model --n-layer 2 --n-embd 64 --out /tmp/cost.json
     python -m bench.cost_model --fake --fsdp --model gpt2-xl --world-size 8   # + the sharded step's line
+    python -m bench.cost_model --fake --fsdp --fsdp-shard-ranks 8 --model gpt2-xl --world-size 64   # HSDP 8 x 8
 
 It builds the trainer's Muon groups exactly (train_gpt2.build_optimizers, --kernels torch, fp32
 on CPU) with the solver a GPU runs by default (its "auto" choices: polynomial clip, sync-free
@@ -20,7 +21,13 @@ N-GPU run computes and sends.
 
 From those counts and the constants in H200 (printed with the result) it gives an ESTIMATE of
 the step's time on one H200 against forward+backward of the same tokens. Estimates only:
-until a GPU measures them (bench/step_time.py, bench/gpu_check.sh).
+until a GPU measures them (bench/step_time.py, bench/gpu_check.sh). The collectives overlap as the
+code posts and waits them (OVERLAP_NOTE): each simulated collective records where the step stands
+when it is posted and when its handle's wait() is called, its bytes go over one link at
+H200["link_bytes_per_s"], and only the part of a transfer that outlasts the compute recorded
+between its post and its wait adds to the step (a synchronous collective adds all of it).
+Ranks that own the same shapes (work_signature) run the same ops: one of them is counted and the
+others share its counts (--count-every-rank counts each).
 
 --fake runs everything under FakeTensorMode (no arithmetic; minutes become seconds). The counts
 are the same as a real run's as long as the step makes no data-dependent host decision: the
@@ -30,9 +37,16 @@ it reports so and counts a real run instead (unless --fake-only).
 --fsdp ends with one line per world size N > 1 for the sharded step (manifolds/sharded.py):
 `sharded: bucket balance B, bytes per rank G GB, optimizer R of forward+backward`, B the worst
 exchange bucket's most loaded owner over its mean (sharded.bucket_balance, work.piece_cost), G
-what a rank receives per step (bench/sharded_bytes.py's count), R an ESTIMATE of the compute
-only: the counted ranks' work summed, spread over the buckets as their owners carry it (each
-bucket waits for its most loaded owner), the exchange's bytes not timed; DDP's R beside it.
+what a rank receives per step (bench/sharded_bytes.py's count), R an ESTIMATE: the counted ranks'
+compute summed, spread over the buckets as their owners carry it (each bucket waits for its most
+loaded owner), and the exchange's bytes at the same link bandwidth, each bucket's out and back
+async and double-buffered (the next bucket's out and this one's back in flight while the next
+solves: the larger of compute and transfer per bucket), the serial figure and DDP's R beside it.
+This line is analytical (no sharded step runs here): it prices the exchange issue 59 describes.
+--fsdp-shard-ranks S: HSDP, N / S replicas of S-rank shard groups (issue 59's design): owners
+over all N ranks (each matrix solved once per job), out and back inside the shard group 1/R of
+FSDP-over-S's bytes, plus the replica all-gather of the shard's new W and warm starts,
+(R - 1) / R x 4 bytes an element; forward+backward per rank from the same global batch over N.
 """
 import argparse
 import contextlib
@@ -67,8 +81,13 @@ H200 = {
     "literal_s": 20e-6,              # per tensor literal: a blocking H2D copy waits for the stream
     "linalg_flops": 50e12,           # eigh / cholesky / triangular solve: a rough guess, see below
     "fwd_bwd_flops": 395e12,         # forward + backward at half of bf16 peak
-    "all_gather_bytes_per_s": 350e9,  # NVLink ring all-gather bus bandwidth (assumed)
+    "link_bytes_per_s": 350e9,       # a rank's link (NVLink ring bus bandwidth, assumed), every collective's bytes
 }
+OVERLAP_NOTE = ("overlap: each collective's bytes on its rank's link at 350 GB/s (ring all-gather (n-1) x its input, "
+                "reduce-scatter (n-1)/n, all-reduce 2(n-1)/n, all-to-all the others' parts), collectives one after "
+                "another in the order posted; an async one overlaps the compute (products, launches, syncs, linalg) "
+                "the step records between its post and its wait(), a synchronous one overlaps nothing; the step "
+                "ends when its compute and every transfer are done; compute is not slowed by a transfer")
 LINALG_NOTE = ("linalg ops (eigh ~9 q^3, cholesky q^3/3, triangular solve q^2 k FLOPs) at 50 TFLOP/s plus "
                "a launch each: a rough guess and likely optimistic (cuSOLVER's batched factorizations are "
                "sequential panel algorithms, often milliseconds at q = 768)")
@@ -91,6 +110,9 @@ def parse_args(argv=None):
                     help="a GPT-2 preset's shape (sets --n-layer and --n-embd)")
     ap.add_argument("--fsdp", action="store_true",
                     help="also the sharded step's line per world size above 1 (bucket balance, bytes, estimate)")
+    ap.add_argument("--fsdp-shard-ranks", type=int, default=None, metavar="S",
+                    help="with --fsdp: HSDP, shard groups of S ranks, world size / S replicas (each world size "
+                         "above 1 a multiple of S)")
     ap.add_argument("--assign", default="hetero", help="train_gpt2.py's --assign (not auto)")
     ap.add_argument("--world-size", type=int, nargs="+", default=[1, 8], help="world sizes to count")
     ap.add_argument("--solver-opt", action="append", default=[], metavar="KEY=VALUE",
@@ -109,6 +131,9 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", type=int, default=64 * 1024,
                     help="tokens per optimizer step over all ranks (the trainer's 64 x 1024)")
     ap.add_argument("--top", type=int, default=20, help="ops listed by count")
+    ap.add_argument("--count-every-rank", action="store_true",
+                    help="count each rank's step (default: one rank per set of ranks that own the same "
+                         "shapes on the same manifolds, whose counts are the same)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (1 is fastest for small shapes on a busy machine)")
@@ -122,6 +147,12 @@ def parse_args(argv=None):
         ap.error("--assign auto switches manifolds during training; give its base assignment instead")
     if any(n < 1 for n in args.world_size):
         ap.error("--world-size takes positive integers")
+    if args.fsdp_shard_ranks is not None:
+        if not args.fsdp:
+            ap.error("--fsdp-shard-ranks needs --fsdp")
+        if args.fsdp_shard_ranks < 1 or any(n > 1 and n % args.fsdp_shard_ranks for n in args.world_size):
+            ap.error(f"--fsdp-shard-ranks {args.fsdp_shard_ranks}: every world size above 1 must be a multiple of it "
+                     f"(got --world-size {' '.join(map(str, args.world_size))})")
     return args
 
 
@@ -203,6 +234,14 @@ def ownership(opt, world_size):
     return owned
 
 
+def work_signature(opt, owned):
+    """What a rank's step depends on beyond the shared state: the multiset of (group, shape, rows) of
+    the pieces it owns (a group holds one manifold and one set of options). Ranks of one signature run the same ops (the banks, the
+    exchange's padded width and the momenta of every matrix are the same on every rank)."""
+    params = [(g_index, p) for g_index, g in enumerate(opt.param_groups) for p in g["params"]]
+    return tuple(sorted((params[i][0], tuple(params[i][1].shape), hi - lo) for i, lo, hi in owned))
+
+
 def count_step(opt, world_size, rank):
     """OpCounter of one opt.step() as `rank` of `world_size`."""
     counter = OpCounter(sites=True)
@@ -211,7 +250,7 @@ def count_step(opt, world_size, rank):
     try:
         with contextlib.ExitStack() as stack:
             if world_size > 1:
-                stack.enter_context(simulated_collectives(counter))
+                stack.enter_context(simulated_collectives(counter, world_size))
             stack.enter_context(counter)
             stack.enter_context(triton_attribution(counter))
             opt.step()
@@ -236,8 +275,13 @@ def count_all(args, fake):
         counts, owners = {}, {}
         for world_size in args.world_size:
             owners[world_size] = ownership(opt, world_size)
-            ranks = []
+            ranks, counted = [], {}
             for rank in range(world_size):
+                signature = work_signature(opt, owners[world_size][rank])
+                if signature in counted and not args.count_every_rank:  # the same work as a rank counted
+                    ranks.append({**ranks[counted[signature]], "same_count_as": counted[signature]})
+                    continue
+                counted[signature] = rank
                 restore(opt, params, snap)
                 t0 = time.perf_counter()
                 counter = count_step(opt, world_size, rank)
@@ -254,21 +298,52 @@ def count_all(args, fake):
 
 # --- the estimate -------------------------------------------------------------------------------
 
+def compute_parts(progress):
+    """Seconds of the compute a count (OpCounter.progress, or a summary) holds: products at their
+    precision's rate, launches, syncs, literals, linalg (additive; memory traffic not modelled)."""
+    return {"products": sum(flops / H200[RATE_OF.get(label, "ieee_fp32_flops")]
+                            for label, flops in progress["flops_executed_by_precision"].items()),
+            "launches": progress["launches"] * H200["launch_s"],
+            "syncs": progress["host_syncs"] * H200["sync_s"],
+            "literals": progress["host_literals"] * H200["literal_s"],
+            "linalg": sum(progress["linalg_flops"].values()) / H200["linalg_flops"]}
+
+
+def overlapped(events, compute_end):
+    """(step seconds, transfer seconds) of a step whose compute ends at `compute_end` and whose
+    collectives are `events` in program order: ("post", key, compute seconds done when posted,
+    transfer seconds) and ("wait", key, compute seconds done when waited). One link: a transfer
+    starts when posted and the link is free; a wait stalls the compute until its transfer ends
+    (OVERLAP_NOTE)."""
+    stall = link = transfer = 0.0
+    ends, waited = {}, set()
+    for kind, key, at, *seconds in events:
+        now = at + stall
+        if kind == "post":
+            link = max(now, link) + seconds[0]
+            ends[key] = link
+            transfer += seconds[0]
+        else:
+            waited.add(key)
+            stall += max(0.0, ends[key] - now)
+    return max([compute_end + stall] + [end for key, end in ends.items() if key not in waited]), transfer
+
+
 def estimate(summary):
-    """Seconds of one rank's step on one H200 from its counts (additive: products at their
-    precision's rate, then launch, sync and linalg costs; memory traffic not modelled)."""
-    products = sum(flops / H200[RATE_OF.get(label, "ieee_fp32_flops")]
-                   for label, flops in summary["flops_executed_by_precision"].items())
-    parts = {"products": products,
-             "launches": summary["launches"] * H200["launch_s"],
-             "syncs": summary["host_syncs"] * H200["sync_s"],
-             "literals": summary["host_literals"] * H200["literal_s"],
-             "linalg": sum(summary["linalg_flops"].values()) / H200["linalg_flops"]}
-    # ring all-gather: each rank passes on N - 1 buffers of its input's size. The flat exchange
-    # starts after this rank's solves, so it adds to the step (only the own writes overlap it)
-    parts["all_gather"] = ((summary["world_size"] - 1) * summary["collective_bytes_sent"]
-                           / H200["all_gather_bytes_per_s"])
-    parts["total"] = sum(parts.values())
+    """Seconds of one rank's step on one H200 from its counts: compute_parts, and the collectives'
+    transfers overlapped with the compute between each one's post and its wait (`overlapped`)."""
+    parts = compute_parts(summary)
+    compute = sum(parts.values())
+    events = []
+    for kind, index in summary.get("transfer_order", ()):
+        t = summary["transfers"][index]
+        if kind == "post":
+            events.append(("post", index, sum(compute_parts(t["posted"]).values()),
+                           t["wire_bytes"] / H200["link_bytes_per_s"]))
+        else:
+            events.append(("wait", index, sum(compute_parts(t["waited"]).values())))
+    step, transfer = overlapped(events, compute)
+    parts.update(compute=compute, transfer=transfer, exposed_transfer=step - compute, total=step)
     return parts
 
 
@@ -323,7 +398,7 @@ def print_world(world_size, ranks, owners, fb, muon):
     print(f"  ESTIMATE, one H200{' (slowest rank)' if world_size > 1 else ''}: optimizer step "
           f"{1e3 * est['total']:.2f} ms (products {1e3 * est['products']:.2f}, launches {1e3 * est['launches']:.2f}, "
           f"syncs {1e3 * est['syncs']:.2f}, literals {1e3 * est['literals']:.2f}, linalg {1e3 * est['linalg']:.2f}, "
-          f"all-gather {1e3 * est['all_gather']:.2f}); "
+          f"transfer {1e3 * est['transfer']:.2f} of which exposed {1e3 * est['exposed_transfer']:.2f}); "
           f"fwd+bwd of {fb['tokens_per_rank']} tokens {1e3 * fb['seconds']:.1f} ms; "
           f"ratio {est['total'] / fb['seconds']:.3f}")
     flops = sum(r["flops_total"] for r in ranks)
@@ -333,31 +408,84 @@ def print_world(world_size, ranks, owners, fb, muon):
           f"{' per rank' if world_size > 1 else ''}")
 
 
+def matrix_elements(targs):
+    """(elements of the Muon matrices, elements of their q x q warm starts) of the model (the shapes
+    bench/sharded_bytes.py prices)."""
+    from bench.sharded_bytes import SHAPES, dual_elements
+    assignment = dict(targs.assignment)
+    matrices = duals = 0
+    for key, shape in SHAPES.items():
+        rows, cols = shape(targs.n_embd)
+        matrices += targs.n_layer * rows * cols
+        duals += targs.n_layer * dual_elements(assignment[key], rows, cols)
+    return matrices, duals
+
+
 def sharded_line(args, world_size, ranks, fb, plan):
-    """Print and return the --fsdp line of one world size (module docstring)."""
+    """Print and return the --fsdp line of one world size (module docstring); with
+    --fsdp-shard-ranks S < world size, HSDP: R = world size / S replicas of S-rank shard groups, each
+    matrix solved once per job (owners over all the ranks), the new values all-gathered across
+    the replicas (issue 59's design)."""
     from bench.memory import meta_model
     from bench.sharded_bytes import per_step
     from manifolds import ManifoldMuon, sharded
     targs = trainer_args(args)
     _, groups = meta_model(targs)
     banks = list(ManifoldMuon(groups, shard=False).banks())
+    shard_ranks = args.fsdp_shard_ranks or world_size
+    replicas = world_size // shard_ranks
+    # owners over every rank of the job (HSDP: of both mesh dimensions)
     bucketed = sharded.buckets(banks, world_size)
     owners = sharded.bucket_owners(bucketed, plan, world_size)
     balance = sharded.bucket_balance(bucketed, owners, plan, world_size)
     loads = sharded.bucket_loads(bucketed, owners, plan, world_size)
-    compute = sum(estimate(r)["total"] - estimate(r)["all_gather"] for r in ranks)  # every rank's share, summed
-    fsdp_seconds = compute * sum(max(load) for load in loads) / sum(sum(load) for load in loads)
+    compute = sum(estimate(r)["compute"] for r in ranks)  # every rank's share, summed
+    per_bucket = [compute * max(load) / sum(sum(load) for load in loads) for load in loads]
+    fsdp_compute = sum(per_bucket)
     ddp_seconds = max(estimate(r)["total"] for r in ranks)
-    # a steady step: G in the plan's wire dtype out, W and Lambda back (sharded.py)
-    received = per_step(targs.n_layer, targs.n_embd, dict(targs.assignment), world_size,
-                        plan.grad_wire_dtype.itemsize, plan.options.resident)["manifold_muon"]
+    # a steady step: G in the plan's wire dtype out, W and Lambda back (sharded.py), inside the
+    # shard group: a replica group carries the pieces its replica owns, 1/R of them
+    wire = plan.grad_wire_dtype.itemsize
+    assignment = dict(targs.assignment)
+    received = per_step(targs.n_layer, targs.n_embd, assignment, shard_ranks, wire,
+                        plan.options.resident)["manifold_muon"] / replicas
+    back = per_step(targs.n_layer, targs.n_embd, assignment, shard_ranks, 0, True)["manifold_muon"] / replicas
+    out = received - back
+    # HSDP's back (b): the replica all-gather of this shard's new W and warm starts (fp32), a ring
+    # over the R replicas: (R - 1) / R of them
+    matrices, duals = matrix_elements(targs)
+    replica = (replicas - 1) / replicas * 4 * (matrices + duals) / shard_ranks
+    received += replica
+    back += replica
+    # each bucket's bytes in proportion to its elements (its pieces' W; warm starts taken alike)
+    sizes = [sum(sharded.piece_numel(piece) for _, pieces in bucket for piece in pieces) for bucket in bucketed]
+    share = [size / sum(sizes) for size in sizes]
+    rate = H200["link_bytes_per_s"]
+    # the exchange as issue 59 has it: each bucket's out and back async, double-buffered (the next
+    # bucket's out and this one's back in flight while the next solves), one link in post order
+    events, clock = [("post", ("out", 0), 0.0, out * share[0] / rate)], 0.0
+    for b, seconds in enumerate(per_bucket):
+        events.append(("wait", ("out", b), clock))
+        if b + 1 < len(per_bucket):
+            events.append(("post", ("out", b + 1), clock, out * share[b + 1] / rate))
+        clock += seconds
+        events.append(("post", ("back", b), clock, back * share[b] / rate))
+    events += [("wait", ("back", b), clock) for b in range(len(per_bucket))]
+    fsdp_seconds, transfer = overlapped(events, fsdp_compute)
+    serial = fsdp_compute + transfer
     line = {"bucket_balance": balance, "buckets": len(bucketed), "bytes_per_rank": received,
-            "optimizer_seconds": fsdp_seconds, "ratio": fsdp_seconds / fb["seconds"],
-            "ddp_ratio": ddp_seconds / fb["seconds"]}
-    print(f"\nworld size {world_size}, --fsdp ({len(bucketed)} exchange buckets; ESTIMATE: compute only, the "
-          f"exchange's bytes not timed): sharded: bucket balance {balance:.3f}, bytes per rank {received / 1e9:.2f} GB, "
-          f"optimizer {line['ratio']:.3f} of a step's forward+backward ({1e3 * fsdp_seconds:.2f} ms); "
-          f"DDP: optimizer {line['ddp_ratio']:.3f} ({1e3 * ddp_seconds:.2f} ms)")
+            "shard_ranks": shard_ranks, "replicas": replicas, "compute_seconds": fsdp_compute,
+            "transfer_seconds": transfer, "optimizer_seconds": fsdp_seconds, "ratio": fsdp_seconds / fb["seconds"],
+            "serial_ratio": serial / fb["seconds"], "ddp_ratio": ddp_seconds / fb["seconds"]}
+    mesh = (f", HSDP {replicas} replicas x {shard_ranks} shards, each matrix solved once per job, replica "
+            f"all-gather {replica / 1e9:.2f} GB of it" if replicas > 1 else "")
+    print(f"\nworld size {world_size}, --fsdp ({len(bucketed)} exchange buckets{mesh}; ESTIMATE: the counted ranks' "
+          f"compute summed and spread over the buckets as their owners carry it; the exchange's bytes at "
+          f"{rate / 1e9:.0f} GB/s, each bucket's in proportion to its elements, out and back async and "
+          f"double-buffered, {1e3 * transfer:.2f} ms in all; serial, no overlap: "
+          f"{serial / fb['seconds']:.3f}; DDP at this world size: {line['ddp_ratio']:.3f} ({1e3 * ddp_seconds:.2f} ms))")
+    print(f"sharded: bucket balance {balance:.3f}, bytes per rank {received / 1e9:.2f} GB, "
+          f"optimizer {line['ratio']:.3f} of a step's forward+backward ({1e3 * fsdp_seconds:.2f} ms)")
     return line
 
 
@@ -367,7 +495,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     commit, dirty = git_commit()
     out = Results(args.out, config={k: v for k, v in vars(args).items()}, constants=H200,
-                  linalg_assumption=LINALG_NOTE, commit=commit, uncommitted_changes=dirty)
+                  linalg_assumption=LINALG_NOTE, overlap_assumption=OVERLAP_NOTE, commit=commit, uncommitted_changes=dirty)
     trainer_args(args)  # a bad --solver-opt is a UserError before anything is built
     print(f"ManifoldMuon step, {args.assign}, {args.n_layer} layers x n_embd {args.n_embd}, solver options "
           f"{' '.join(GPU_SOLVER_OPTS + tuple(args.solver_opt))}, solver precision {args.solver_precision}"
@@ -425,7 +553,8 @@ def count_and_report(args, out):
           f"{time.perf_counter() - t0:.1f} s; {plan.summary()}")
     print("constants (one H200, for the ESTIMATE): bf16 395 TFLOP/s (half of 790 measured on a large product), "
           "TF32 198, 3xTF32 66, IEEE fp32 50; 5 us per launch, 20 us per host sync or tensor literal; "
-          "ring all-gather at 350 GB/s; products, launches, syncs and the exchange added (no overlap); "
+          "products, launches, syncs and linalg added; "
+          f"{OVERLAP_NOTE}; "
           f"{LINALG_NOTE}; fwd+bwd 6 N T + 12 L d s T FLOPs at 395 TFLOP/s (N = {matmul_params:,})")
     for world_size, ranks in counts.items():
         fb = fwd_bwd(args, matmul_params, world_size)
@@ -441,11 +570,6 @@ def count_and_report(args, out):
             "ratio_flops_to_field_muon": sum(r["flops_total"] for r in ranks) / muon["flops"],
             "ratio_estimate_to_field_muon": estimate(ranks[slowest])["total"] / muon["seconds"],
             "flops_total_all_ranks": sum(r["flops_total"] for r in ranks)})
-    if args.fsdp:
-        for world_size, ranks in counts.items():
-            if world_size > 1:
-                line = sharded_line(args, world_size, ranks, fwd_bwd(args, matmul_params, world_size), plan)
-                out.put("sharded", str(world_size), value=line)
     first = counts[args.world_size[0]][0]
     print(f"\ntop {args.top} kernels (world size {args.world_size[0]}, rank 0; views and allocations excluded): "
           + ", ".join(f"{name} {n}" for name, n in first["kernels_top"].items()))
@@ -458,6 +582,14 @@ def count_and_report(args, out):
     print("FLOPs by call site (dense, as the torch twin computes them):")
     for site, flops in first["flops_by_site"].items():
         print(f"  {gf(flops):>9} GFLOP  {site}")
+    print(f"launches by call site ({first['launches']} in all; a Triton product counts at its caller):")
+    for site, n in list(first["launches_by_site"].items())[:args.top]:
+        print(f"  {n:>5}  {site}")
+    if args.fsdp:  # last: each ends with its `sharded:` line
+        for world_size, ranks in counts.items():
+            if world_size > 1:
+                line = sharded_line(args, world_size, ranks, fwd_bwd(args, matmul_params, world_size), plan)
+                out.put("sharded", str(world_size), value=line)
     return 0
 
 

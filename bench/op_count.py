@@ -236,6 +236,7 @@ class OpCounter(HostReadMode):
         self.record_sites = sites
         self.sites = Counter()           # (call site, precision label or linalg op) -> FLOPs
         self.sync_sites = Counter()      # call site -> host syncs
+        self.launch_sites = Counter()    # call site -> kernel launches (torch ops and Triton launches)
         self.kernels = Counter()         # op name -> calls (outside the Triton products)
         self.fused = Counter()           # op name -> calls inside a Triton product (no kernel of their own)
         self.syncs = Counter()
@@ -250,6 +251,10 @@ class OpCounter(HostReadMode):
         self.executed = Counter()        # precision label -> FLOPs as the GPU would compute them
         self.triton_extra_kernels = 0    # torch ops the Triton wrappers launch besides the kernel
         self.collectives = []            # (name, bytes sent by this rank)
+        # simulated collectives in post order: {name, wire_bytes, posted: progress(), waited: progress()
+        # or None (never waited in the step)}; a synchronous one is waited where it is posted
+        self.transfers = []
+        self.transfer_order = []         # [("post" | "wait", index into transfers)] in program order
         self._triton_depth = 0
         self._triton_dtype = None
         self._paused = 0
@@ -291,6 +296,8 @@ class OpCounter(HostReadMode):
             name = "scalar_tensor"  # `t[i] = 2.0`: on CUDA a 0-dim device tensor, made by a fill kernel
         triton = self._triton_depth > 0
         (self.fused if triton else self.kernels)[name] += 1
+        if self.record_sites and not triton:
+            self.launch_sites[call_site()] += 1
         if name in PRODUCT_FLOPS:
             label = product_precision(args[0].dtype if not triton else self._triton_dtype, triton)
             flops = PRODUCT_FLOPS[name](*args, **kwargs)
@@ -308,6 +315,21 @@ class OpCounter(HostReadMode):
                 self.linalg_flops[name] += flops
                 if self.record_sites:
                     self.sites[(call_site(), name)] += flops
+
+    def progress(self):
+        """Where the step stands: the counts so far that the cost model prices as compute."""
+        return {"launches": self.launches, "host_syncs": self.sync_count,
+                "host_literals": sum(self.literals.values()),
+                "flops_executed_by_precision": dict(self.executed), "linalg_flops": dict(self.linalg_flops)}
+
+    def record_post(self, name, wire_bytes):
+        self.transfers.append({"name": name, "wire_bytes": wire_bytes, "posted": self.progress(), "waited": None})
+        self.transfer_order.append(("post", len(self.transfers) - 1))
+        return len(self.transfers) - 1
+
+    def record_wait(self, index):
+        self.transfers[index]["waited"] = self.progress()
+        self.transfer_order.append(("wait", index))
 
     # -- results ---------------------------------------------------------------------------
     @property
@@ -346,7 +368,11 @@ class OpCounter(HostReadMode):
             "linalg_syncing_on_cuda": sum(n for name, n in self.linalg.items() if name in CHECKS_INFO),
             "collectives": len(self.collectives),
             "collective_bytes_sent": sum(b for _, b in self.collectives),
+            "transfers": [dict(t) for t in self.transfers],
+            "transfer_order": [list(event) for event in self.transfer_order],
+            "final": self.progress(),
             "flops_by_site": {f"{site} [{label}]": flops for (site, label), flops in self.sites.most_common(top)},
+            "launches_by_site": dict(self.launch_sites.most_common()),
         }
 
 
@@ -389,6 +415,8 @@ def triton_attribution(counter, module=None):
                 counter._triton_depth -= 1
             dense = sum(counter.flops.values()) - before
             counter.triton[name] += 1
+            if counter.record_sites:
+                counter.launch_sites[call_site()] += 1
             counter.triton_flops[name] += dense
             executed = dense
             if name != "matmul_add":  # symmetric output (q x q for symmetric_gram, m x m for sym_product)
@@ -411,8 +439,17 @@ def triton_attribution(counter, module=None):
 
 # --- Simulated collectives ------------------------------------------------------------------
 
-class _Done:
+class _Recorded:
+    """The handle of a simulated async collective: its first wait() is recorded on the counter
+    (where the step's compute waits for the transfer); is_completed() says True."""
+
+    def __init__(self, counter, index):
+        self.counter, self.index, self.waited = counter, index, False
+
     def wait(self, *_, **__):
+        if not self.waited:
+            self.waited = True
+            self.counter.record_wait(self.index)
         return True
 
     def is_completed(self):
@@ -424,48 +461,70 @@ def _nbytes(t):
 
 
 @contextlib.contextmanager
-def simulated_collectives(counter):
+def simulated_collectives(counter, world_size=None):
     """torch.distributed's all_gather / all_gather_into_tensor / all_gather_single / all_reduce /
-    broadcast / reduce_scatter(_tensor) as local no-ops (output buffers zeroed) that record on `counter`
-    the bytes this rank puts in: its input tensor(s)."""
+    broadcast / reduce_scatter(_tensor) / all_to_all_single as local no-ops (output buffers zeroed)
+    that record on `counter` the bytes this rank puts in (its input tensor(s)) and the bytes it puts
+    on its link (a ring's: (n - 1) x its input for an all-gather of n ranks, (n - 1) / n of the input
+    for a reduce-scatter, 2 (n - 1) / n for an all-reduce, the parts for the others for an
+    all-to-all), n read from the buffers' sizes, else `world_size`. Each call is posted where the
+    step stands (OpCounter.progress); an async call's handle records its wait, a synchronous call
+    waits where it is posted (OpCounter.transfers)."""
     patched = {}
+    default_n = world_size or 1
 
-    def record(name, nbytes):
+    def record(name, nbytes, wire, async_op):
         counter.collectives.append((name, nbytes))
+        index = counter.record_post(name, wire)
+        if async_op:
+            return _Recorded(counter, index)
+        counter.record_wait(index)
+        return None
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
-        record("all_gather", _nbytes(tensor))
         with counter.paused():
             for t in tensor_list:
                 t.zero_()
-        return _Done() if async_op else None
+        return record("all_gather", _nbytes(tensor), (len(tensor_list) - 1) * _nbytes(tensor), async_op)
 
     def into_tensor(name):
         def all_gather_into_tensor(output, input, group=None, async_op=False):
-            record(name, _nbytes(input))
             with counter.paused():
                 output.zero_()
-            return _Done() if async_op else None
+            n = max(1, output.numel() // max(1, input.numel()))
+            return record(name, _nbytes(input), (n - 1) * _nbytes(input), async_op)
         return all_gather_into_tensor
 
-    def in_place(name):
-        def collective(tensor, *args, async_op=False, **kwargs):
-            record(name, _nbytes(tensor))
-            return _Done() if async_op else None
-        return collective
+    def all_reduce(tensor, *args, async_op=False, **kwargs):
+        n = default_n
+        return record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n * _nbytes(tensor), async_op)
+
+    def broadcast(tensor, *args, async_op=False, **kwargs):
+        return record("broadcast", _nbytes(tensor), _nbytes(tensor), async_op)
 
     def reduce_scatter(output, input_list, *args, async_op=False, **kwargs):
-        record("reduce_scatter", sum(_nbytes(t) for t in input_list))
-        return _Done() if async_op else None
+        nbytes, n = sum(_nbytes(t) for t in input_list), max(1, len(input_list))
+        return record("reduce_scatter", nbytes, (n - 1) / n * nbytes, async_op)
 
     def reduce_scatter_tensor(output, input, *args, async_op=False, **kwargs):
-        record("reduce_scatter_tensor", _nbytes(input))
-        return _Done() if async_op else None
+        n = max(1, input.numel() // max(1, output.numel()))
+        return record("reduce_scatter_tensor", _nbytes(input), (n - 1) / n * _nbytes(input), async_op)
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        with counter.paused():
+            output.zero_()
+        # this rank's own part stays local; which part that is the simulation does not know: the
+        # parts are taken as equal, (n - 1) / n of the input on the wire
+        n = len(input_split_sizes) if input_split_sizes else default_n
+        wire = (n - 1) / max(1, n) * _nbytes(input)
+        return record("all_to_all_single", _nbytes(input), wire, async_op)
 
     fakes = {"all_gather": all_gather, "all_gather_into_tensor": into_tensor("all_gather_into_tensor"),
              "all_gather_single": into_tensor("all_gather_single"),
-             "all_reduce": in_place("all_reduce"), "broadcast": in_place("broadcast"),
-             "reduce_scatter": reduce_scatter, "reduce_scatter_tensor": reduce_scatter_tensor}
+             "all_reduce": all_reduce, "broadcast": broadcast,
+             "reduce_scatter": reduce_scatter, "reduce_scatter_tensor": reduce_scatter_tensor,
+             "all_to_all_single": all_to_all_single}
     for name, fake in fakes.items():
         if hasattr(dist, name):
             patched[name] = getattr(dist, name)

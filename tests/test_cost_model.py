@@ -113,7 +113,8 @@ def test_fsdp_prints_the_sharded_line_with_its_balance_bytes_and_estimate(tmp_pa
     assert line["bucket_balance"] == pytest.approx(1.106, abs=1e-3)
     assert line["bytes_per_rank"] > 0 and 0 < line["optimizer_seconds"]
     printed = capsys.readouterr().out
-    assert "sharded: bucket balance 1.106, bytes per rank" in printed and "DDP: optimizer" in printed
+    assert "sharded: bucket balance 1.106, bytes per rank" in printed and "DDP at this world size" in printed
+    assert printed.rstrip().splitlines()[-1].startswith("sharded: ")  # the last line, for scripts to read
 
 
 def test_fake_counts_equal_real_counts(tmp_path):
@@ -162,3 +163,70 @@ def test_the_step_costs_what_issue_49_allows_by_torchs_own_flop_counter():
         ratio[assign] = flops / muon
     assert ratio["hetero"] <= 2.5 and ratio["all-dgram"] <= 3.0 and ratio["none"] <= 1.05, ratio
     assert ratio["hetero-admm"] > 5.0, ratio
+
+
+def _gather_step(async_op, launches_before_wait, launches=20, rows=1 << 20):
+    """A step that all-gathers `rows` fp32 over 8 ranks around `launches` small products, waiting
+    after `launches_before_wait` of them (a synchronous call waits where it is posted)."""
+    import torch.distributed as dist
+    a, out = torch.randn(8, 8), torch.zeros(8 * rows)
+    with OpCounter() as counter, simulated_collectives(counter, 8):
+        handle = dist.all_gather_into_tensor(out, torch.ones(rows), async_op=async_op)
+        for k in range(launches):
+            if k == launches_before_wait and handle is not None:
+                handle.wait()
+            a @ a
+    return counter.summary()
+
+
+def test_an_async_collective_overlaps_the_work_between_its_post_and_its_wait():
+    launch, link = cost_model.H200["launch_s"], cost_model.H200["link_bytes_per_s"]
+    transfer = 7 * 4 * (1 << 20) / link  # a ring all-gather puts (n - 1) x its input on the link: 84 us
+    sync = cost_model.estimate(_gather_step(False, 0))
+    assert sync["transfer"] == pytest.approx(transfer)
+    assert sync["exposed_transfer"] == pytest.approx(transfer)  # overlaps nothing
+    assert sync["total"] == pytest.approx(sync["compute"] + transfer)
+    # posted after the ones() launch, waited 10 products (50 us) later: 34 us of it exposed
+    half = cost_model.estimate(_gather_step(True, 10))
+    assert half["compute"] == pytest.approx(sync["compute"])
+    assert half["exposed_transfer"] == pytest.approx(transfer - 10 * launch, rel=1e-4)  # + the products' FLOPs
+    # waited after all 20 (100 us): hidden; never waited: the step still ends after it
+    assert cost_model.estimate(_gather_step(True, 20))["exposed_transfer"] == pytest.approx(0)
+    late = cost_model.estimate(_gather_step(True, 20, launches=10))
+    assert late["total"] == pytest.approx(launch + transfer)
+
+
+def test_collectives_share_one_link_in_the_order_posted():
+    # two all-gathers posted back to back, waited late: the second starts when the first ends
+    events = [("post", 0, 0.0, 3.0), ("post", 1, 0.0, 3.0), ("wait", 0, 4.0), ("wait", 1, 4.0)]
+    step, transfer = cost_model.overlapped(events, 5.0)
+    assert transfer == 6.0 and step == 7.0  # the second ends at 6: the compute stalls 2 s at its wait
+    assert cost_model.overlapped(events[:1] + events[2:3], 5.0) == (5.0, 3.0)
+
+
+def test_hsdp_solves_once_per_job_and_prices_the_replica_gather(tmp_path, capsys):
+    from bench.sharded_bytes import per_step
+    _, fsdp = _run(tmp_path, "fsdp4", "--world-size", "4", "--fake-only", "--fsdp")
+    _, one = _run(tmp_path, "hsdp1", "--world-size", "4", "--fake-only", "--fsdp", "--fsdp-shard-ranks", "4")
+    assert one["sharded"]["4"] == fsdp["sharded"]["4"]  # one replica: the FSDP line
+    capsys.readouterr()
+    status, data = _run(tmp_path, "hsdp", "--world-size", "4", "--fake-only", "--fsdp", "--fsdp-shard-ranks", "2")
+    line = data["sharded"]["4"]
+    assert status == 0 and (line["replicas"], line["shard_ranks"]) == (2, 2)
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("sharded: bucket balance")
+    # owners over all 4 ranks: the same balance and compute as FSDP over 4
+    assert line["bucket_balance"] == fsdp["sharded"]["4"]["bucket_balance"]
+    assert line["compute_seconds"] == pytest.approx(fsdp["sharded"]["4"]["compute_seconds"])
+    # bytes: half of FSDP-over-2's exchange, plus the replica all-gather of the shard's new values
+    # (2 layers x 64: matrices 2 x 12 x 64^2 elements; hetero's warm starts: c_attn's, c_fc's and
+    # mlp.c_proj's 64 x 64 per layer)
+    targs = cost_model.trainer_args(cost_model.parse_args(["--n-layer", "2", "--n-embd", "64"]))
+    assign = dict(targs.assignment)
+    shard = per_step(2, 64, assign, 2, 2)["manifold_muon"] / 2
+    matrices, duals = cost_model.matrix_elements(targs)
+    assert matrices == 2 * 12 * 64 * 64
+    assert line["bytes_per_rank"] == pytest.approx(shard + 0.5 * 4 * (matrices + duals) / 2)
+    with pytest.raises(SystemExit):
+        cost_model.parse_args(["--fsdp", "--fsdp-shard-ranks", "3", "--world-size", "8"])
+    with pytest.raises(SystemExit):
+        cost_model.parse_args(["--fsdp-shard-ranks", "2"])
