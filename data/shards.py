@@ -74,10 +74,6 @@ class PartialShard:
         self.file.close()
         os.replace(self.tmp_path, self.path)
 
-    def discard(self):
-        self.file.close()
-        os.remove(self.tmp_path)
-
 
 def read_header(path):
     """Validated token count of a shard; raises ShardError describing what is wrong."""
