@@ -9,7 +9,7 @@ Runs train_gpt2.py in this process (the flags after `--`, plus an out-dir of its
 every bank's W and G on the tall orientation and its manifold, as
 {"steps": [step, ...], "banks": [[(name, manifold, W, G), ...] per step], "dgram_cap": C}. Windows of
 consecutive steps let a reader replay the warm starts as training runs them:
-bench/warm_sweep.py --momenta FILE measures the direction quality of the solver settings on
+bench/experiments/warm_sweep.py --momenta FILE measures the direction quality of the solver settings on
 them against the float64 optimum. Synthetic momenta (bench/optimizer.momentum_like) miss what
 real ones have: LayerNorm null vectors, spectra that change with training.
 """

@@ -180,8 +180,8 @@ def test_memory_counts_agree_with_a_live_step_and_fsdp_holds_under_a_sixth_of_dd
 
 
 def test_scheme_report_tables_final_losses_and_tests_them(tmp_path):
-    # bench.scheme_report reads bench/scheme_compare.sh's layout and compares the schemes by seed
-    from bench.scheme_report import final_losses, report
+    # bench.experiments.scheme_report reads scheme_compare.sh's layout and compares the schemes by seed
+    from bench.experiments.scheme_report import final_losses, report
     values = {("online", 1): 5.40, ("online", 2): 5.42, ("online", 3): 5.41,
               ("admm", 1): 5.50, ("admm", 2): 5.53, ("admm", 3): 5.51}
     for (scheme, seed), loss in values.items():

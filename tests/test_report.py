@@ -109,7 +109,7 @@ def test_seeds_of_one_assignment_are_summarised(tmp_path):
 
 
 def test_solver_guard_table_gives_the_setting_gap_and_the_seed_spread(tmp_path):
-    from bench import solver_guard_plot
+    from bench.experiments import solver_guard_plot
     finals = {("default", "seed1"): 5.40, ("default", "seed2"): 5.43,
               ("iters20", "seed1"): 5.41, ("iters20", "seed2"): 5.42}
     for (setting, seed), val in finals.items():

@@ -2,9 +2,9 @@
 # The experiments of docs/experiments.md: at a Muon learning rate where all-dgram's attention
 # saturates, compare hetero, hetero-qk, all-dgram, all-dgram with capped attention, and auto,
 # over several seeds, on the bundled books (../shared/corpus), on CPU.
-#   bash bench/beyond.sh                     (SEEDS, MUON_LR, CORPUS, OUT override the defaults)
+#   bash bench/experiments/beyond.sh                     (SEEDS, MUON_LR, CORPUS, OUT override the defaults)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SEEDS=${SEEDS:-"1337 1338 1339"}
 MUON_LR=${MUON_LR:-0.2}
 CORPUS=${CORPUS:-../shared/corpus}

@@ -2,15 +2,15 @@
 # Training-quality guard of the optimizer's cheap defaults: the default solver
 # budget against the paper's 20 iterations, on a tiny GPT-2 (2 layers, width 64) trained for
 # 300 steps on the bundled books (../shared/corpus), hetero and all-stiefel, two seeds, on CPU.
-#   bash bench/solver_guard.sh          (SEEDS, CORPUS, OUT, VENV override the defaults)
-#   SETTINGS="default iters20 warm2 warm4" ASSIGNS=hetero bash bench/solver_guard.sh
+#   bash bench/experiments/solver_guard.sh          (SEEDS, CORPUS, OUT, VENV override the defaults)
+#   SETTINGS="default iters20 warm2 warm4" ASSIGNS=hetero bash bench/experiments/solver_guard.sh
 #     (warmN: N warm-started ADMM iterations)
-#   SETTINGS="iters20 gpu gpu-fp32" ASSIGNS=hetero bash bench/solver_guard.sh
+#   SETTINGS="iters20 gpu gpu-fp32" ASSIGNS=hetero bash bench/experiments/solver_guard.sh
 #     (gpu: what a GPU runs by default, the polynomial clip, sync-free, TF32 inner iterations
 #     emulated on this CPU; gpu-fp32: the same at fp32; gpu-rho03/05: gpu with the warm ADMM
 #     penalty 0.3 / 0.5 instead of the default; gpu-growth1: gpu with a constant warm penalty)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SEEDS=${SEEDS:-"1 2"}
 CORPUS=${CORPUS:-../shared/corpus}
 OUT=${OUT:-runs/solver-guard}
@@ -50,7 +50,7 @@ done
 # The figure compares the default against iters20; an OUT holding other settings only (a commit's
 # gpu runs, compared with the iters20 figures of the guard) has nothing to plot
 if compgen -G "$OUT/default/seed*/*/metrics.jsonl" > /dev/null || compgen -G "$OUT/iters20/seed*/*/metrics.jsonl" > /dev/null; then
-    $PY -m bench.solver_guard_plot "$OUT"
+    $PY -m bench.experiments.solver_guard_plot "$OUT"
 else
     echo "no default or iters20 runs under $OUT: the reports above are the result (no guard figure)"
 fi

@@ -3,11 +3,11 @@
 # the ADMM scheme it replaced (--solver-opt scheme=admm), by training: the solver guard's model
 # (2 layers x 64, 300 steps) and run.sh quick's (2 layers x 128, 200 steps) on the bundled books,
 # hetero and all-dgram, 3 seeds, with what a GPU runs (polynomial clip, sync-free, TF32 emulated).
-#   bash bench/scheme_compare.sh            (OUT, SEEDS, SCHEMES, ASSIGNS, SETTINGS, JOBS, VENV override)
-#   SCHEMES="online:dual_step=0.1" ASSIGNS=hetero SETTINGS=guard bash bench/scheme_compare.sh   (a variant)
+#   bash bench/experiments/scheme_compare.sh            (OUT, SEEDS, SCHEMES, ASSIGNS, SETTINGS, JOBS, VENV override)
+#   SCHEMES="online:dual_step=0.1" ASSIGNS=hetero SETTINGS=guard bash bench/experiments/scheme_compare.sh   (a variant)
 # Resumable: a run with a summary.json is skipped. Then: python -m tools.sweep_report / tools.stats.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/scheme-compare}
 SEEDS=${SEEDS:-"1 2 3"}
 SCHEMES=${SCHEMES:-"online admm"}

@@ -1,11 +1,11 @@
 """How the ADMM warm start's penalty and iteration budget are measured (the figures: docs/solver-tuning.md).
 
-    OMP_NUM_THREADS=1 python -m bench.warm_sweep
-    OMP_NUM_THREADS=1 python -m bench.warm_sweep --penalties 0.1 --iterations 4 --clip polynomial \
+    OMP_NUM_THREADS=1 python -m bench.experiments.warm_sweep
+    OMP_NUM_THREADS=1 python -m bench.experiments.warm_sweep --penalties 0.1 --iterations 4 --clip polynomial \
         --precision fp32 tf32 bf16         (the inner iterations' precision, as a GPU runs them)
-    OMP_NUM_THREADS=1 python -m bench.warm_sweep --penalties 0.1 --growth 1 2 --iterations 4 \
+    OMP_NUM_THREADS=1 python -m bench.experiments.warm_sweep --penalties 0.1 --growth 1 2 --iterations 4 \
         --clip polynomial --precision tf32 --momenta runs/momenta-hetero-256-long.pt   (a growing penalty)
-    python -m bench.warm_sweep --penalties 0.07 --iterations 3 --clip polynomial --precision tf32 \
+    python -m bench.experiments.warm_sweep --penalties 0.07 --iterations 3 --clip polynomial --precision tf32 \
         --shapes 2304x768:stiefel 3072x768:dgram          (GPT-2-small shapes; minutes per reference)
 
 For a 768x256 Stiefel and a 1024x256 DGram matrix (or --shapes) and 4 drifting momentum-like gradients, runs

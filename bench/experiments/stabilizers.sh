@@ -2,11 +2,11 @@
 # Can DGram attention be stabilized? all-dgram at Muon lr 0.2 (where its attention
 # saturates, docs/experiments.md) with each of the literature's stabilizers, against capped-DGram
 # attention and hetero, on the bundled books (../shared/corpus), run.sh quick's model, on CPU.
-#   bash bench/stabilizers.sh           (SEEDS, MUON_LR, JOBS, CORPUS, OUT, CONFIGS override the defaults)
-#   CONFIGS="all-dgram qk-clip100" SEEDS=1337 bash bench/stabilizers.sh
+#   bash bench/experiments/stabilizers.sh           (SEEDS, MUON_LR, JOBS, CORPUS, OUT, CONFIGS override the defaults)
+#   CONFIGS="all-dgram qk-clip100" SEEDS=1337 bash bench/experiments/stabilizers.sh
 # Runs go to $OUT/<config>/seed<seed>; finished ones are kept; the report is $OUT/report.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SEEDS=${SEEDS:-"1337 1338 1339"}
 MUON_LR=${MUON_LR:-0.2}
 JOBS=${JOBS:-2}

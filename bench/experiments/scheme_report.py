@@ -1,9 +1,9 @@
-"""The table of bench/scheme_compare.sh: final val loss of each scheme, setting and assignment
+"""The table of bench/experiments/scheme_compare.sh: final val loss of each scheme, setting and assignment
 over seeds, and the online scheme against ADMM by Welch's and the paired (by seed) t-test
 (tools/stats.py, the sweep's statistics).
 
-    python -m bench.scheme_report                       # runs/scheme-compare
-    python -m bench.scheme_report --root runs/scheme-compare --a online --b admm
+    python -m bench.experiments.scheme_report                       # runs/scheme-compare
+    python -m bench.experiments.scheme_report --root runs/scheme-compare --a online --b admm
 """
 import argparse
 import glob
@@ -57,13 +57,13 @@ def report(table, a, b):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--root", default="runs/scheme-compare", help="OUT of bench/scheme_compare.sh")
+    ap.add_argument("--root", default="runs/scheme-compare", help="OUT of bench/experiments/scheme_compare.sh")
     ap.add_argument("--a", default="online", help="the scheme tested (A in A − B)")
     ap.add_argument("--b", default="admm", help="the scheme it is compared with")
     args = ap.parse_args(argv)
     table = final_losses(args.root)
     if not table:
-        raise UserError(f"no completed runs under {args.root} (bash bench/scheme_compare.sh writes them)")
+        raise UserError(f"no completed runs under {args.root} (bash bench/experiments/scheme_compare.sh writes them)")
     print(report(table, args.a, args.b))
     return 0
 

@@ -1,7 +1,7 @@
-"""Figure and table of bench/solver_guard.sh: val-loss curves of the default solver budget
+"""Figure and table of bench/experiments/solver_guard.sh: val-loss curves of the default solver budget
 against 20 iterations, per assignment and seed, and the two spreads that decide the guard.
 
-    python -m bench.solver_guard_plot runs/solver-guard     # writes guard.md and guard.png there
+    python -m bench.experiments.solver_guard_plot runs/solver-guard     # writes guard.md and guard.png there
 """
 import argparse
 import glob
@@ -22,7 +22,8 @@ def load(root):
             seed = os.path.basename(os.path.dirname(run_dir))
             runs[(setting, os.path.basename(run_dir), seed)] = Run(run_dir)
     if not runs:
-        raise UserError(f"no runs under {root}/{{{','.join(SETTINGS)}}}/seed*/; run bench/solver_guard.sh first")
+        raise UserError(f"no runs under {root}/{{{','.join(SETTINGS)}}}/seed*/; "
+                        "run bench/experiments/solver_guard.sh first")
     return runs
 
 
@@ -64,7 +65,7 @@ def plot(runs, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", help="the OUT folder of bench/solver_guard.sh")
+    ap.add_argument("root", help="the OUT folder of bench/experiments/solver_guard.sh")
     args = ap.parse_args(argv)
     runs = load(args.root)
     text = table(runs)
