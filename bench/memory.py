@@ -9,7 +9,7 @@
 COUNTED from the tensors of the trainer's own model and optimizer groups built on the meta device
 (no memory allocated): each parameter's fp32 master weight and gradient, AdamW's two moments, and
 ManifoldMuon's momentum and dual warm starts, on the rank that holds them (under --fsdp also the
-resident copies of the whole W and warm start of each piece a rank owns, manifolds/sharded.py):
+resident copies of the whole W and warm start of each piece a rank owns, manifolds/exchange.py):
   * DDP: every rank holds every parameter and gradient (and DDP's gradient buckets, as many bytes
     again), AdamW's state of every parameter, and ManifoldMuon's state of every matrix (momentum
     and warm start: the whole state on every rank); in flight, the step's flat all-gather of the
@@ -18,7 +18,7 @@ resident copies of the whole W and warm start of each piece a rank owns, manifol
     gradient and of every optimizer state (manifolds/sharded.py); in flight (an ESTIMATE of the
     transients): two blocks' gathered parameters (the one computing and the one prefetched, bf16 as
     on a GPU) and one block's unsharded fp32 gradients, and the optimizer exchange of the largest
-    bucket (sharded.EXCHANGE_BUCKET) at its most loaded owner: what it receives, the assembled whole
+    bucket (exchange.EXCHANGE_BUCKET) at its most loaded owner: what it receives, the assembled whole
     matrices, what it sends and receives back, and the next bucket's out exchange in flight
     (exchange_held; a one-step --live run measures the same buffers: equal). With gradient accumulation (the
     trainer's total batch of 64 sequences, 8 per rank: 8 micro-steps on 1 rank, 1 on 8) and
@@ -46,8 +46,8 @@ import torch
 import train_gpt2
 from manifolds import ManifoldMuon
 from manifolds.param_groups import assigned_matrices, muon_groups
-from manifolds import sharded
-from manifolds.sharded import chunk_range, keeps_warm_start, warm_shape
+from manifolds import exchange
+from manifolds.sharded import chunk_range, keeps_warm_start, warm_shape, wire_bytes
 
 CATEGORIES = ("parameters", "gradients", "adamw", "manifold_muon")
 LIVE_TIMEOUT_S = 300  # --live: a rank's collectives, and the whole launch twice that
@@ -104,14 +104,15 @@ def in_flight(model, muon, world, fsdp):
 
 def exchange_held(muon, world, rank, warm=True, resident=False):
     """The most bytes of the sharded exchange's buffers that `rank` holds at once (what
-    sharded.step_shard_group measures as exchange_counts["held"]), from the shapes: for a bucket,
+    manifolds/exchange.py measures as exchange_counts["held"]), from the shapes: for a bucket,
     what its owner received and the pieces assembled from it, or those pieces and what it sends
     and receives back, whichever is more, and,
-    with overlap, the next bucket's out exchange in flight (sent and received). The worst step by
-    default: warm starts travel, nothing resident (the step after a resume)."""
+    with overlap, the next bucket's out exchange and the previous bucket's return in flight (sent
+    and received). The worst step by default: warm starts travel, nothing resident (the step after
+    a resume)."""
     grad = muon.plan.grad_wire_dtype.itemsize
-    bucketed = sharded.buckets(list(muon.banks()), world)
-    owners = sharded.bucket_owners(bucketed, muon.plan, world)
+    bucketed = exchange.buckets(list(muon.banks()), world)
+    owners = exchange.bucket_owners(bucketed, muon.plan, world)
 
     def parts(piece, s, out):
         """(bytes of rank s's part of piece out to its owner, or back from it)."""
@@ -123,7 +124,7 @@ def exchange_held(muon, world, rank, warm=True, resident=False):
         if not out:
             return FP32 * (box + dual)
         sent_again = not resident
-        return (sharded.wire_bytes(box, torch.float32) if sent_again else 0) + sharded.wire_bytes(
+        return (wire_bytes(box, torch.float32) if sent_again else 0) + wire_bytes(
             box, muon.plan.grad_wire_dtype) + (FP32 * dual if warm and keeps and sent_again else 0)
 
     def out_received(bucket):
@@ -133,7 +134,7 @@ def exchange_held(muon, world, rank, warm=True, resident=False):
     def out_sent(bucket):
         return sum(parts(piece, rank, True) for _, pieces in bucket for piece in pieces)
 
-    held = 0
+    held, returning = 0, 0
     for index, bucket in enumerate(bucketed):
         mine = [piece for _, pieces in bucket for piece in pieces if owners[piece.key] == rank]
         numel = lambda piece: (piece.hi - piece.lo) * piece.param.size(1)  # noqa: E731
@@ -142,10 +143,13 @@ def exchange_held(muon, world, rank, warm=True, resident=False):
                                                                          else 0) for piece in mine)
         back_sent = sum(FP32 * (numel(piece) + dual(piece)) for piece in mine)
         back_received = sum(parts(piece, rank, False) for _, pieces in bucket for piece in pieces)
-        # the received bytes are freed once assembled (sharded.ShardedStep.finish)
+        # the received bytes are freed once assembled (exchange.ShardedBucket.solve_and_return)
         total = max(out_received(bucket) + assembled, assembled + back_sent + back_received)
-        if index + 1 < len(bucketed) and muon.options.overlap:
-            total += out_sent(bucketed[index + 1]) + out_received(bucketed[index + 1])
+        if muon.options.overlap:  # the previous bucket's return, the next one's out exchange
+            total += returning
+            if index + 1 < len(bucketed):
+                total += out_sent(bucketed[index + 1]) + out_received(bucketed[index + 1])
+            returning = back_sent + back_received
         held = max(held, total)
     return held
 
@@ -187,7 +191,7 @@ def live_bytes(model, muon, adamw):
                          if k in ("exp_avg", "exp_avg_sq")),
             "manifold_muon": sum(size(v) for state in muon.state.values() for k, v in state.items()
                                  if k == "momentum_buffer" or k.startswith("dual"))
-            + sum(size(t) for copies in muon.resident_cache.values() for t in copies if t is not None),
+            + sum(size(t) for copies in muon.exchange.resident_cache.values() for t in copies if t is not None),
             # not a category: the sharded exchange's buffers at their most (exchange_held counts them)
             "exchange_held": muon.exchange_counts.get("held", 0)}
     return held
@@ -289,15 +293,15 @@ def counted_rank(args, world, rank, fsdp):
             q = warm_shape(piece)[0]
             lo, hi = chunk_range(q, world, rank) if fsdp else (0, q)
             held["manifold_muon"] += FP32 * (hi - lo) * q
-    if fsdp and muon.options.resident:  # the owner's resident W and Lambda (sharded.py)
+    if fsdp and muon.options.resident:  # the owner's resident W and Lambda (exchange.py)
         held["manifold_muon"] += FP32 * sum(resident_numel(piece, muon.options) for piece in owned_shards(muon, world, rank))
     return held
 
 
 def owned_shards(muon, world, rank):
-    """The pieces `rank` owns in the sharded step (sharded.shard_plan's owners)."""
-    bucketed = sharded.buckets(list(muon.banks()), world)
-    owners = sharded.bucket_owners(bucketed, muon.plan, world)
+    """The pieces `rank` owns in the sharded step (exchange.plan_group's owners)."""
+    bucketed = exchange.buckets(list(muon.banks()), world)
+    owners = exchange.bucket_owners(bucketed, muon.plan, world)
     return [piece for _, pieces in muon.banks() for piece in pieces if owners[piece.key] == rank]
 
 

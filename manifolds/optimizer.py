@@ -56,13 +56,13 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adamw import adamw
 
-from manifolds import plan_check, reference, sharded, work
-from manifolds.dual import STAT_FIELDS, STATS, solve_tall_banks
+from manifolds import exchange, plan_check, reference
+from manifolds.dual import STATS, solve_tall_banks
+from manifolds.exchange import Exchange, Replicated, StepInputs, plan_group
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
 from manifolds.plan import SolverOptions, plan_for
-from manifolds.sharded import (is_sharded, keeps_warm_start, local, shard_layout, shard_plan, step_shard_group,
-                               warm_shape)
-from manifolds.work import piece_cost
+from manifolds.sharded import (is_sharded, keeps_warm_start, local, project_sharded, radius_key,
+                               shard_layout, stores_radius, warm_placements, warm_shape)
 
 # group options that may differ inside one bank: they enter the step per matrix
 PER_MATRIX = ("lr", "weight_decay")
@@ -148,10 +148,6 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.options = SolverOptions.from_kwargs(**solver_opts)
         self._unprojected = []  # frozen matrices not yet checked against their manifold (add_param_group)
         self._plan_checked = False  # plan_check at the next step (also after a load or new groups)
-        # the sharded step's resident copies (SolverOptions.resident; sharded.resident_flags): {piece.key:
-        # (owner, digest of this rank's shard and warm start)} after each step, and each owner's
-        # {piece.key: (W, warm start)}
-        self.resident_record, self.resident_cache = {}, {}
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         manifold=manifold, blocks=None, dgram_cap=dgram_cap, algorithm="muon")
         super().__init__(params, defaults)
@@ -160,17 +156,28 @@ class ManifoldMuon(torch.optim.Optimizer):
         distributed = shard and dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
-        self.last_stats = {}
+        # who solves which piece, the collectives, the resident copies and the statistics (exchange.py)
+        self.exchange = Exchange(self.options, self.plan)
         for group in self.param_groups:
             self._init_sharded_state(group)
 
     # what torch.optim.Optimizer pickles (defaults, state, param_groups), and the rest of ours, so
     # that copy.deepcopy and pickle give a working optimizer
-    OWN_ATTRIBUTES = ("options", "plan", "world_size", "rank", "last_stats", "_unprojected", "_plan_checked",
-                      "resident_record", "resident_cache")
+    OWN_ATTRIBUTES = ("options", "plan", "world_size", "rank", "exchange", "_unprojected", "_plan_checked")
 
     def __getstate__(self):
         return {**super().__getstate__(), **{k: self.__dict__[k] for k in self.OWN_ATTRIBUTES}}
+
+    @property
+    def last_stats(self):
+        """{bank: {"iterations", "residual", "fallbacks"}} of the last step, as tensors (stats() reads them)."""
+        return self.exchange.stats
+
+    @property
+    def exchange_counts(self):
+        """What the last step's exchange sent and received (bytes), its collectives, the pieces
+        solved here and the most bytes of sharded exchange buffers held at once ("held")."""
+        return self.exchange.counts
 
     def add_param_group(self, param_group):
         """Add a group (at construction or later): checks it, and projects each of its matrices
@@ -182,7 +189,7 @@ class ManifoldMuon(torch.optim.Optimizer):
             param_group = {**ADAMW_DEFAULTS, **param_group}
         super().add_param_group(param_group)
         self._plan_checked = False
-        if hasattr(self, "resident_record"):
+        if hasattr(self, "exchange"):
             self.weights_changed()
         group = self.param_groups[-1]
         if algorithm == "adamw":
@@ -219,7 +226,7 @@ class ManifoldMuon(torch.optim.Optimizer):
                 for p in group["params"]:
                     self._adamw_state(p)
                 continue
-            sharded.init_state(self, group, [piece for piece in self.pieces() if piece.group is group], replicated=True)
+            self._init_state(group, [piece for piece in self.pieces() if piece.group is group], replicated=True)
 
     def _init_sharded_state(self, group):
         """The state of a group's sharded parameters, created now: every rank has the same keys
@@ -229,7 +236,74 @@ class ManifoldMuon(torch.optim.Optimizer):
                 if is_sharded(p):
                     self._adamw_state(p)
             return
-        sharded.init_state(self, group, [piece for piece in self.pieces() if piece.group is group])
+        self._init_state(group, [piece for piece in self.pieces() if piece.group is group])
+
+    def _init_state(self, group, pieces, replicated=False):
+        """Create the state of a group's sharded parameters, zero, without communication: "step" (a
+        CPU tensor: the warm start is used once it is positive), "momentum_buffer" (a DTensor in the
+        parameter's layout), a "radius" where the manifold stores one (NaN until known) and one
+        "dual" / "dual@<lo>" per piece that keeps a warm start (a DTensor split on rows); with
+        `replicated`, of its other parameters too (plain tensors, the same keys)."""
+        for p in group["params"]:
+            if not (replicated or is_sharded(p)):
+                continue
+            state = self.state[p]
+            state.setdefault("step", torch.tensor(0.0))
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        for piece in pieces:
+            if (replicated or is_sharded(piece.param)) and stores_radius(piece):
+                # set when the matrix was put on its manifold (_keep_radius); NaN: not yet known
+                self.state[piece.param].setdefault(radius_key(piece), torch.full(
+                    (), float("nan"), dtype=torch.float64, device=local(piece.param).device))
+            if not (replicated or is_sharded(piece.param)) or not keeps_warm_start(piece, self.options):
+                continue  # (before touching self.state, a defaultdict: no empty entries)
+            state = self.state[piece.param]
+            if piece.dual_key in state:
+                continue
+            if is_sharded(piece.param):
+                from torch.distributed.tensor import zeros as sharded_zeros
+                layout = shard_layout(piece.param)
+                state[piece.dual_key] = sharded_zeros(warm_shape(piece), dtype=torch.float32, device_mesh=layout.mesh,
+                                                      placements=warm_placements(piece.param, layout))
+            else:
+                state[piece.dual_key] = torch.zeros(warm_shape(piece), dtype=torch.float32, device=piece.param.device)
+
+    def _keep_radius(self, param, lo, block):
+        """Store ||block||_F (float64, on the device of param's local part) as the radius of the
+        piece at row lo, the sphere it is put on (when its group is added, or it is unfrozen;
+        every rank, from the whole matrix)."""
+        whole = lo == 0 and block.size(0) == param.size(0)
+        key = "radius" if whole else f"radius@{lo}"
+        self.state[param][key] = block.detach().double().square().sum().sqrt().to(local(param).device)
+
+    def stored_radius(self, param, lo=0):
+        """The radius kept for the piece of `param` at row lo (a float64 0-dim tensor; NaN until
+        known: a parameter without values when its group was added), or None: what
+        geometry.manifold_violation(..., radius=) measures a Hyperball matrix against."""
+        if param not in self.state:
+            return None
+        state = self.state[param]
+        return state.get("radius" if lo == 0 and "radius" in state else f"radius@{lo}")
+
+    def _radii(self, pieces, W):
+        """(n,) float64 on W's device: the stored radius of each of a bank's pieces (W: their
+        stacked weights), for the retraction (geometry.Hyperball.retract_from). One not yet known
+        (NaN) becomes ||W||_F now and is kept, on the device, without a sync; a replicated piece
+        without the key (a state loaded from before radii were stored) gets one."""
+        stored = []
+        for piece in pieces:
+            state = self.state[piece.param]
+            r = state.get(radius_key(piece))
+            if r is None:
+                r = torch.full((), float("nan"), dtype=torch.float64, device=W.device)
+                if not is_sharded(piece.param):  # a sharded piece's keys are every rank's (_init_state)
+                    state[radius_key(piece)] = r
+            stored.append(r)
+        r = torch.stack([x.to(device=W.device, dtype=torch.float64) for x in stored])
+        r = torch.where(torch.isnan(r), W.double().square().sum(dim=(-2, -1)).sqrt(), r)
+        torch._foreach_copy_(stored, list(r.unbind(0)))
+        return r
 
     @torch.no_grad()
     def _project_onto_manifolds(self, group, p):
@@ -245,14 +319,14 @@ class ManifoldMuon(torch.optim.Optimizer):
             if not geo.constrained:
                 return None
             if geo.stores_radius:  # the sphere it is put on: its norm now (geometry.Hyperball)
-                sharded.keep_radius(self, p, lo, block)
+                self._keep_radius(p, lo, block)
             violation = geo.violation(tall(block.float(), transposed))
             if bool(violation <= on_manifold_tol(p.dtype)):  # NaN: projected
                 return None
             return project_to_manifold(block.float(), manifolds[lo], cap, transposed)
 
         if is_sharded(p):  # gathered once, here: the whole matrix decides
-            sharded.project_sharded(p, blocks, projected)
+            project_sharded(p, blocks, projected)
             return
         for lo, hi, _ in blocks:
             new = projected(lo, hi, p[lo:hi])
@@ -304,41 +378,46 @@ class ManifoldMuon(torch.optim.Optimizer):
             by_key.setdefault(key, []).append(piece)
         yield from by_key.items()
 
+    def _replicated_group(self, with_grad=lambda piece: True):
+        """exchange.Group of the replicated (not sharded) pieces that `with_grad`, in bank order:
+        their buckets and owners over this optimizer's ranks (exchange.plan_group); None if none."""
+        banks = []
+        for _, pieces in self.banks():
+            pieces = [piece for piece in pieces if with_grad(piece) and not is_sharded(piece.param)]
+            if pieces:
+                banks.append((self.bank_name(pieces), pieces))
+        return plan_group(Replicated(self.world_size, self.rank), banks, self.plan) if banks else None
+
     def owners(self):
         """{piece.key: rank} for every piece of a replicated parameter: the rank that computes its
-        step (balanced_owners). Sharded parameters' owners are their shard group's (sharded.py)."""
-        pieces = [piece for piece in self.pieces() if not is_sharded(piece.param)]
-        owners = work.balanced_owners([piece_cost(piece, self.plan) for piece in pieces], self.world_size)
-        return {piece.key: rank for piece, rank in zip(pieces, owners)}
+        step (balanced over the ranks bucket by bucket: exchange.plan_group). Sharded parameters'
+        owners are their mesh's (exchange.py)."""
+        group = self._replicated_group()
+        return dict(group.owners) if group is not None else {}
 
     def owned_pieces(self):
         owners = self.owners()
         return [piece for _, pieces in self.banks() for piece in pieces if owners.get(piece.key) == self.rank]
 
-    def _layout(self, banks, owners):
-        """[the pieces each rank sends, in bank order] for these (name, pieces) banks."""
-        layout = [[] for _ in range(self.world_size)]
-        for _, pieces in banks:
-            for piece in pieces:
-                layout[owners[piece.key]].append(piece)
-        return layout
-
     def _warm_numel(self, piece):
         """Elements of a piece's warm start in the exchange: q x q where the solver keeps one."""
         return warm_shape(piece)[0] * warm_shape(piece)[1] if keeps_warm_start(piece, self.options) else 0
 
-    def _exchange_width(self, layout, n_banks):
-        """Elements each rank sends: the largest rank's pieces, each with its warm start, then
-        STATS statistics per bank."""
-        return max(sum(piece.weight().numel() + self._warm_numel(piece) for piece in pieces)
-                   for pieces in layout) + STATS * n_banks
-
     def all_gather_elements(self):
-        """Elements of one step's flat all-gather, padded ((N-1)/N of them come from other ranks)."""
-        banks = list(self.banks())
-        if not banks:
+        """Elements of one step's all-gathers of replicated pieces (one per bucket), padded to the
+        largest rank's share ((N-1)/N of them come from other ranks), the last one with STATS
+        statistics per bank."""
+        group = self._replicated_group()
+        if group is None:
             return 0
-        return self.world_size * self._exchange_width(self._layout(banks, self.owners()), len(banks))
+        total = 0
+        for bucket in group.buckets:
+            shares = [0] * group.slots
+            for _, pieces in bucket:
+                for piece in pieces:
+                    shares[group.owners[piece.key]] += piece.weight().numel() + self._warm_numel(piece)
+            total += group.slots * max(shares)
+        return total + group.slots * STATS * len(group.banks)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -348,54 +427,56 @@ class ManifoldMuon(torch.optim.Optimizer):
                 loss = closure()
         self._project_unfrozen()
         self._step_adamw_groups()
-        self.last_stats = {}
         self._finite = {}  # {id(param): 0-dim bool, its gradient finite} of this step (_momenta)
-        # the sharded exchange's fp32 elements this step (sharded.count_exchange)
-        self.exchange_counts = {"sent": 0, "received": 0, "collectives": 0, "solved": 0}
-        owners = self.owners() if self.world_size > 1 else None
-        active = []  # (name, pieces) of the banks of replicated parameters stepped
-        to_solve = []  # (name, this rank's pieces of the bank), in bank order: the order the exchange packs
         # a matrix without a gradient is left alone; under DDP and FSDP every rank sees the same
-        # ones, so every rank packs the same exchange
+        # ones, so every rank builds the same exchange
         with_grad = lambda piece: piece.param.grad is not None  # noqa: E731
-        shard_groups = sharded.sharded_banks(self, with_grad)  # ShardLayout: [(name, pieces)] (sharded.py)
-        for _, pieces in self.banks():
-            pieces = [piece for piece in pieces if with_grad(piece) and not is_sharded(piece.param)]
-            if not pieces:
-                continue
-            name = self.bank_name(pieces)
-            active.append((name, pieces))
-            mine = pieces if self.world_size == 1 else [piece for piece in pieces if owners[piece.key] == self.rank]
-            if mine:
-                to_solve.append((name, mine))
-        # the same groups in the same order on every rank: (layout, banks, owners, buckets)
-        shard_plans = [(layout, banks, *shard_plan(self, layout, banks)) for layout, banks in shard_groups.items()]
+        # the same groups in the same order on every rank: the sharded layouts, then the replicated pieces
+        groups = [plan_group(layout, banks, self.plan)
+                  for layout, banks in exchange.sharded_banks(self, with_grad).items()]
+        replicated = self._replicated_group(with_grad)
+        if replicated is not None:
+            groups.append(replicated)
         if not self._plan_checked:  # before any exchange whose sizes the plan sets
-            self._check_plan(owners, shard_plans)
+            self._check_plan(groups)
         # every rank updates the momentum of every replicated matrix stepped (the whole state on
         # every rank) and forms G for those it solves; sharded parameters: their local parts
-        sharded_pieces = [piece for banks in shard_groups.values() for _, pieces in banks for piece in pieces]
-        solved = [piece for _, pieces in to_solve for piece in pieces] + sharded_pieces
-        momenta = self._momenta([piece for _, pieces in active for piece in pieces] + sharded_pieces, solved)
-        for layout, banks, shard_owners, bucketed in shard_plans:
-            step_shard_group(self, layout, banks, shard_owners, bucketed, momenta)
-        computed = self._step_banks(to_solve, self._replicated_inputs(momenta)) if to_solve else []
-        if self.world_size == 1:
-            for pieces, new_W in computed:
-                self._write(pieces, new_W)
-        elif active:
-            self._exchange(active, computed, owners)
+        pieces = [piece for group in groups for _, bank in group.banks for piece in bank]
+        solved = [piece for group in groups for _, bank in group.banks for piece in bank
+                  if group.sharded or group.owners[piece.key] == group.me]
+        momenta = self._momenta(pieces, solved)
+        io = StepInputs(solve=self._step_banks, momenta=momenta,
+                        replicated=lambda piece: (piece.weight().float(), momenta[id(piece.param)][piece.lo:piece.hi],
+                                                  self.state[piece.param].get(piece.dual_key)),
+                        warm=lambda piece: local(self.state[piece.param][piece.dual_key])
+                        if piece.dual_key in self.state.get(piece.param, {}) else None,
+                        store_warm=self._keep_warm_starts,
+                        started=lambda piece: bool(self.state[piece.param]["step"] > 0))
+        self.exchange.step(groups, io, self._world())
+        for param in OrderedDict((id(piece.param), piece.param) for group in groups if group.sharded
+                                 for _, bank in group.banks for piece in bank).values():
+            self.state[param]["step"] += 1
         return loss
 
-    def _check_plan(self, owners, shard_plans):
+    def _world(self):
+        """Ranks of the default group where this optimizer exchanges over it (DDP, or sharded parameters)."""
+        if self.world_size > 1:
+            return self.world_size
+        sharded = any(is_sharded(p) for group in self.param_groups for p in group["params"])
+        return dist.get_world_size() if sharded and dist.is_available() and dist.is_initialized() else 1
+
+    def _check_plan(self, groups):
         """plan_check: every rank compares its step's plan with the others' (one small all-gather)
         at the first step and after a load or a change of groups; a disagreement is a PlanMismatch
         on every rank, before any exchange."""
-        if (self.world_size > 1 or shard_plans) and dist.is_available() and dist.is_initialized() \
-                and dist.get_world_size() > 1:
+        if self._world() > 1:
             first = next(iter(self.pieces()), None)
             device = local(first.param).device if first is not None else torch.device("cpu")
-            plan_check.check(plan_check.describe(self, owners, shard_plans), device)
+            pieces = list(self.pieces())
+            started = {piece.key: "step" in self.state.get(piece.param, {}) and bool(self.state[piece.param]["step"] > 0)
+                       for piece in pieces}
+            index = {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+            plan_check.check(plan_check.describe(pieces, index, started, self.options, groups), device)
         self._plan_checked = True
 
     def _step_adamw_groups(self):
@@ -427,74 +508,6 @@ class ManifoldMuon(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         elif capturable and state["step"].device != p.device:  # loaded: a state_dict keeps it on the host
             state["step"] = state["step"].to(p.device, torch.float32)
-
-    def _exchange(self, banks, computed, owners):
-        """Every rank's new weights and warm starts to every rank: one flat all-gather. A rank's
-        buffer is its pieces in bank order (as `_layout` lists them), each followed by its new warm
-        start where it keeps one (q x q, fp32), padded, then per bank the iterations and residual
-        (maxima) and fallbacks (a sum) of its share (-inf where it owns none), so that `stats`
-        covers the whole bank. Every rank writes every piece's warm start into its state (in
-        place where it has one: a CUDA graph replays on fixed memory), so that each holds the
-        whole state."""
-        layout = self._layout(banks, owners)
-        width = self._exchange_width(layout, len(banks))
-        device = banks[0][1][0].param.device
-        send = torch.zeros(width, dtype=torch.float32, device=device)
-        parts = []
-        for pieces, new_W in computed:
-            for piece, w in zip(pieces, new_W):
-                parts.append(w.reshape(-1))
-                if self._warm_numel(piece):
-                    warm = self.state[piece.param].get(piece.dual_key)
-                    if warm is None or warm.numel() != self._warm_numel(piece):
-                        raise RuntimeError(f"ManifoldMuon: the solver left no {warm_shape(piece)} warm start for a "
-                                           f"piece of shape {tuple(piece.weight().shape)} ({piece.manifold}) that "
-                                           "keeps one (sharded.keeps_warm_start): the exchange cannot send it")
-                    parts.append(warm.reshape(-1))
-        flat = torch.cat(parts) if parts else send[:0]
-        send[:flat.numel()] = flat
-        names = [name for name, _ in banks]
-        stats = send[width - STATS * len(banks):].view(len(banks), STATS)
-        stats.fill_(-float("inf"))
-        for i, name in enumerate(names):
-            if name in self.last_stats:  # tensors, not floats: no device sync
-                for j, field in enumerate(STAT_FIELDS):
-                    stats[i, j] = self.last_stats[name][field]
-        received, handle = sharded.all_gather_rows(send, self.world_size, async_op=True)
-        for pieces, new_W in computed:  # this rank's own pieces need not wait for the exchange
-            self._write(pieces, new_W)
-        handle.wait()
-        targets, sources = [], []  # every other rank's pieces and warm starts, written by one foreach copy
-        for rank, pieces in enumerate(layout):
-            if rank == self.rank:
-                continue
-            offset = 0
-            for piece in pieces:
-                n = piece.weight().numel()
-                targets.append(piece.weight())
-                sources.append(received[rank, offset:offset + n].view(piece.weight().shape))
-                offset += n
-                n = self._warm_numel(piece)
-                if n:
-                    warm = received[rank, offset:offset + n].view(warm_shape(piece))
-                    offset += n
-                    state = self.state[piece.param]
-                    old = state.get(piece.dual_key)
-                    if old is not None and old.shape == warm.shape and old.device == warm.device:
-                        targets.append(old)
-                        sources.append(warm)
-                    else:  # the first warm start of this piece here: a tensor of its own
-                        state[piece.dual_key] = warm.clone()
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        shares = received[:, width - STATS * len(banks):].view(self.world_size, len(banks), STATS)
-        largest, fallbacks = shares[..., :2].amax(dim=0), shares[..., 2].clamp_min(0).sum(dim=0)
-        self.last_stats = {name: {"iterations": largest[i, 0], "residual": largest[i, 1], "fallbacks": fallbacks[i]}
-                           for i, name in enumerate(names)}
-
-    @staticmethod
-    def _write(pieces, new_W):
-        torch._foreach_copy_([piece.weight() for piece in pieces], new_W)
 
     def _momenta(self, pieces, solved=None):
         """{id(param): G} for the parameters of the `solved` pieces (default: all); the momentum of
@@ -540,26 +553,19 @@ class ManifoldMuon(torch.optim.Optimizer):
             momenta.update((id(params[i]), g) for i, g in zip(keep, G))
         return momenta
 
-    def _step_banks(self, banks, matrices, keep=None):
-        """[(pieces, [new weight of each piece, in its orientation])] for banks [(name, pieces)]
-        (all of each bank's pieces, or this rank's): one solve_tall_banks under the plan.
-        matrices(piece) -> (W, G, warm start or None) of a piece; keep(pieces, states or None)
-        stores a bank's new warm starts (default: in this optimizer's state)."""
-        keep = keep or self._keep_warm_starts
+    def _step_banks(self, banks, matrices):
+        """The solve the exchange runs: [(pieces, [new weight of each piece, in its orientation],
+        their new warm starts stacked or None, the bank's statistics)] for banks [(name, pieces)]
+        (all of each bank's pieces, or this rank's share): one solve_tall_banks under the plan.
+        matrices(piece) -> (W, G, warm start or None) of a piece. Writes nothing: the exchange
+        puts the results where they belong."""
         inputs = [self._bank_inputs(pieces, matrices) for _, pieces in banks]
         if self.options.solver == "reference":
-            return [(pieces, self._reference_bank(pieces, name, W, G, keep))
-                    for (W, G, _), (name, pieces) in zip(inputs, banks)]
+            return [(pieces, *self._reference_bank(pieces, W, G)) for (W, G, _), (_, pieces) in zip(inputs, banks)]
         solutions = solve_tall_banks([(W, G, self._geometry(pieces), state)
                                       for (W, G, state), (_, pieces) in zip(inputs, banks)], self.plan)
-        return [(pieces, self._finish_bank(pieces, name, W, solution, keep))
-                for (W, _, _), (name, pieces), solution in zip(inputs, banks, solutions)]
-
-    def _replicated_inputs(self, momenta):
-        """matrices(piece) of _step_banks for replicated parameters: the weight, its momentum rows
-        and its warm start from this rank's state."""
-        return lambda piece: (piece.weight().float(), momenta[id(piece.param)][piece.lo:piece.hi],
-                              self.state[piece.param].get(piece.dual_key))
+        return [(pieces, *self._finish_bank(pieces, W, solution))
+                for (W, _, _), (_, pieces), solution in zip(inputs, banks, solutions)]
 
     @staticmethod
     def _geometry(pieces):
@@ -576,8 +582,9 @@ class ManifoldMuon(torch.optim.Optimizer):
         warm = [w for _, _, w in inputs]
         return W, G, torch.stack(warm) if all(w is not None for w in warm) else None
 
-    def _finish_bank(self, pieces, name, W, solution, keep):
-        """[new weight of each piece] (its own orientation) from their solution; keeps the warm start."""
+    def _finish_bank(self, pieces, W, solution):
+        """([new weight of each piece] (its own orientation), new warm starts or None, statistics)
+        from their solution."""
         eta = per_matrix(W, [piece.group["lr"] for piece in pieces])
         if not self._geometry(pieces).constrained:  # plain Muon: weight decay, no retraction
             decay = per_matrix(W, [piece.group["weight_decay"] for piece in pieces])
@@ -585,20 +592,20 @@ class ManifoldMuon(torch.optim.Optimizer):
         else:
             # the retraction's Gram stays fp32; where the iterations run at TF32 so do its small corrections
             # a manifold with a radius (the Hyperball) retracts to the stored one, not to ||W||
-            radius = {"radius": sharded.radii(self, pieces, W)} if self._geometry(pieces).stores_radius else {}
+            radius = {"radius": self._radii(pieces, W)} if self._geometry(pieces).stores_radius else {}
             new_W = self._geometry(pieces).retract_from(W, W - eta * solution.A, near=True,
                                                         backend=self.plan.backend, tf32_correction=self.plan.tf32,
                                                         **radius)
         finite = self._finite_mask(pieces)
         if finite is not None:  # a matrix with a non-finite gradient: its weight and warm start as they were
             new_W = torch.where(finite, new_W, W)
+        states = None
         if self._geometry(pieces).constrained:
-            keep(pieces, solution.state if finite is None or solution.state is None
-                 else torch.where(finite, solution.state, self._warm_starts(pieces, solution.state)))
+            states = (solution.state if finite is None or solution.state is None
+                      else torch.where(finite, solution.state, self._warm_starts(pieces, solution.state)))
         # tensors, not floats: reading them would sync the device every bank
-        self.last_stats[name] = {"iterations": solution.iterations, "residual": solution.residual.max(),
-                                 "fallbacks": solution.fallbacks}
-        return [w.mT if piece.wide else w for piece, w in zip(pieces, new_W.unbind(0))]
+        stats = {"iterations": solution.iterations, "residual": solution.residual.max(), "fallbacks": solution.fallbacks}
+        return [w.mT if piece.wide else w for piece, w in zip(pieces, new_W.unbind(0))], states, stats
 
     def _finite_mask(self, pieces):
         """(n, 1, 1) bool of a bank's pieces: whether each one's gradient is finite (this step's
@@ -614,7 +621,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         return torch.stack([o.to(like.dtype) if o is not None and o.shape == s.shape else torch.zeros_like(s)
                             for o, s in zip(old, like.unbind(0))])
 
-    def _reference_bank(self, pieces, name, W, G, keep):
+    def _reference_bank(self, pieces, W, G):
         """[new weight of each piece] by manifolds/reference.py, matrix by matrix (W, G tall): the
         same lr, weight decay and retraction as the fast path; no warm start."""
         geo = self._geometry(pieces)
@@ -626,10 +633,8 @@ class ManifoldMuon(torch.optim.Optimizer):
         finite = self._finite_mask(pieces)
         if finite is not None:  # a matrix with a non-finite gradient: as it was
             new_W = [torch.where(ok, new, piece.weight().float()) for piece, ok, new in zip(pieces, finite, new_W)]
-        keep(pieces, None)
-        self.last_stats[name] = {"iterations": torch.tensor(float(iterations)), "residual": torch.tensor(max(residuals)),
-                                 "fallbacks": torch.tensor(0.0)}
-        return new_W
+        return new_W, None, {"iterations": torch.tensor(float(iterations)), "residual": torch.tensor(max(residuals)),
+                             "fallbacks": torch.tensor(0.0)}
 
     def _keep_warm_starts(self, pieces, states):
         """Store each piece's warm start, into its tensor of the last step where there is one
@@ -640,13 +645,17 @@ class ManifoldMuon(torch.optim.Optimizer):
             for piece in pieces:
                 self.state[piece.param].pop(piece.dual_key, None)
             return
+        states = list(states.unbind(0)) if torch.is_tensor(states) else list(states)
         old = [self.state[piece.param].get(piece.dual_key) for piece in pieces]
         if all(o is not None and o.shape == s.shape and o.dtype == s.dtype and o.device == s.device
                for o, s in zip(old, states)):
-            torch._foreach_copy_(old, list(states.unbind(0)))
+            torch._foreach_copy_(old, states)
             return
-        for piece, state in zip(pieces, states.unbind(0)):
-            self.state[piece.param][piece.dual_key] = state.clone()
+        for piece, o, state in zip(pieces, old, states):
+            if o is not None and o.shape == state.shape and o.dtype == state.dtype and o.device == state.device:
+                o.copy_(state)
+            else:  # the first warm start of this piece here: a tensor of its own
+                self.state[piece.param][piece.dual_key] = state.clone()
 
     def stats(self):
         """{bank: {"iterations": int, "residual": float, "fallbacks": int}} of the last step:
@@ -705,13 +714,12 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.weights_changed()  # the owners' warm starts are the loaded ones now
 
     def weights_changed(self):
-        """Forget the owners' resident copies of sharded matrices (manifolds/sharded.py): the next
+        """Forget the owners' resident copies of sharded matrices (manifolds/exchange.py): the next
         step sends every W and warm start again. Not needed for a change of the shards or warm
-        starts by any route (the step compares digests of what they hold: sharded.resident_flags);
+        starts by any route (the step compares digests of what they hold: Exchange.resident_flags);
         called by load_state_dict and add_param_group, where the pieces or owners may change. Call
         it on every rank."""
-        self.resident_record.clear()
-        self.resident_cache.clear()
+        self.exchange.forget()
 
     def reassign(self, param_groups):
         """Replace the groups (the same parameters; new manifolds or blocks) in place, keeping

@@ -14,7 +14,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from manifolds.sharded import all_gather_rows, chunk_range, is_sharded, keeps_warm_start, shard_layout
+from manifolds.exchange import all_gather_rows
+from manifolds.sharded import chunk_range, is_sharded, keeps_warm_start, shard_layout
 
 COMPONENTS = ("pieces", "owners", "buckets", "splits", "warm starts")
 
@@ -23,34 +24,28 @@ class PlanMismatch(RuntimeError):
     """The ranks built different optimizer steps (plan_check's module docstring)."""
 
 
-def piece_ids(optimizer):
-    """{piece.key: a name every rank gives the same piece}: (parameter index in group order, rows)."""
-    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
-    return {piece.key: (index[id(piece.param)], piece.lo, piece.hi) for piece in optimizer.pieces()}
-
-
-def describe(optimizer, replicated_owners, shard_plans):
-    """{component: text} of this rank's plan. replicated_owners: {piece.key: rank} (None in one
-    process); shard_plans: [(layout, banks, owners, buckets)] of the shard groups stepped."""
-    ids = piece_ids(optimizer)
-    pieces, splits, warm = [], [], []
-    for piece in optimizer.pieces():
+def describe(pieces, param_index, started, options, groups):
+    """{component: text} of this rank's plan, from what the optimizer hands it: its pieces, each
+    parameter's position in group order ({id(param): i}), whether each piece's parameter has
+    stepped ({piece.key: bool}: its warm start travels), the solver options, and the step's
+    exchange.Groups (layout, banks, buckets, owners)."""
+    ids = {piece.key: (param_index[id(piece.param)], piece.lo, piece.hi) for piece in pieces}
+    described, splits, warm = [], [], []
+    for piece in pieces:
         layout = shard_layout(piece.param) if is_sharded(piece.param) else None
         shape = tuple(piece.param.shape)
-        pieces.append((ids[piece.key], piece.manifold, shape, piece.param.grad is not None,
-                       None if layout is None else (tuple(layout.mesh.shape), layout.mesh_dim, layout.dim)))
+        described.append((ids[piece.key], piece.manifold, shape, piece.param.grad is not None,
+                          None if layout is None else (tuple(layout.mesh.shape), layout.mesh_dim, layout.dim)))
         if layout is not None:
             splits.append((ids[piece.key], [chunk_range(shape[layout.dim], layout.size, r) for r in range(layout.size)]))
-        state = optimizer.state.get(piece.param, {})
-        started = "step" in state and bool(state["step"] > 0)
-        warm.append((ids[piece.key], keeps_warm_start(piece, optimizer.options), started))
-    owners = sorted((ids[key], rank) for key, rank in (replicated_owners or {}).items())
-    buckets = []
-    for layout, banks, shard_owners, shard_buckets in shard_plans:
-        owners += [("shard", ids[key], rank) for key, rank in sorted(shard_owners.items(), key=lambda kv: ids[kv[0]])]
+        warm.append((ids[piece.key], keeps_warm_start(piece, options), started[piece.key]))
+    owners, buckets = [], []
+    for group in groups:
+        kind = "shard" if group.sharded else "replicated"
+        owners += [(kind, ids[key], rank) for key, rank in sorted(group.owners.items(), key=lambda kv: ids[kv[0]])]
         buckets.append([[(name, [ids[piece.key] for piece in bank]) for name, bank in bucket]
-                        for bucket in shard_buckets])
-    return {"pieces": repr(pieces), "owners": repr(owners), "buckets": repr(buckets), "splits": repr(splits),
+                        for bucket in group.buckets])
+    return {"pieces": repr(described), "owners": repr(owners), "buckets": repr(buckets), "splits": repr(splits),
             "warm starts": repr(warm)}
 
 

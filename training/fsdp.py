@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import kernels
 from errors import UserError
-from manifolds.sharded import all_gather_rows
+from manifolds.exchange import all_gather_rows
 
 
 def shard_model(model, device, dtype, shard_ranks=0):

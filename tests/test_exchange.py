@@ -1,0 +1,212 @@
+"""manifolds/exchange.py on gloo ranks, at the optimizer's level (matrices and gradients made by
+hand, the same on every rank, as after DDP's all-reduce or FSDP2's reduce-scatter): one launch
+each of 2, 3 and 4 ranks, every bank cut into buckets of one piece per owner
+(exchange.EXCHANGE_BUCKET = 1).
+
+  * overlap on and off (ExchangeOptions.overlap): bitwise equal weights, momenta, warm starts and
+    statistics on every rank, replicated (DDP) and sharded (FSDP2, Shard(0) on a 1-D mesh), on
+    2 and 3 ranks, and HSDP 2 x 2; with overlap, a bucket's return is still in flight while the
+    next bucket solves (the order of posts, waits and solves is traced);
+  * HSDP 2 x 2 on 4 ranks ((Replicate, Shard(0)) on a 2-D mesh): every matrix solved once per job
+    (the pieces solved, summed over the 4 ranks, are the pieces: each replica group solved all of
+    them before), the replicas' shards bitwise equal, and the weights those of one process.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gloo_ranks import end_rank_process, run_ranks
+from manifolds import ManifoldMuon, exchange
+
+STEPS = 3
+# (rows, cols, manifold or blocks) of the matrices: tall and wide Stiefel (one bank across
+# orientations: 16 x 8 and 8 x 16), square dgram, plain Muon, oblique, and q | k | v blocks
+MATRICES = [(16, 8, "stiefel")] * 3 + [(8, 16, "stiefel")] + [(8, 8, "dgram")] * 3 + [(12, 8, "none")] * 2 + \
+    [(8, 12, "oblique")] + [(24, 8, ((0, 8, "stiefel"), (8, 16, "oblique"), (16, 24, "dgram")))] * 2
+
+
+def matrices():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(rows, cols, generator=generator) / 4 for rows, cols, _ in MATRICES]
+
+
+def gradients(step):
+    generator = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(rows, cols, generator=generator) for rows, cols, _ in MATRICES]
+
+
+def groups(params):
+    out = []
+    for p, (_, _, spec) in zip(params, MATRICES):
+        out.append({"params": [p], **({"blocks": list(spec)} if isinstance(spec, tuple) else {"manifold": spec})})
+    return out
+
+
+def whole(x):
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def train(layout, overlap, mesh=None, trace=None):
+    """{"weights", "state", "stats", "solved", "local"} after STEPS steps of the matrices under
+    `layout` ("one", "ddp", "fsdp" or "hsdp"; mesh for the last two); trace: a list that gets the
+    exchange's posts, waits and solves in order."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    placements = {"fsdp": [Shard(0)], "hsdp": [Replicate(), Shard(0)]}.get(layout)
+    params = [torch.nn.Parameter(distribute_tensor(w, mesh, placements) if placements else w) for w in matrices()]
+    opt = ManifoldMuon(groups(params), lr=0.05, shard=layout != "one", overlap=overlap)
+    if trace is not None:
+        solve = opt._step_banks
+
+        def traced(banks, inputs):
+            trace.append(("solve", sum(len(pieces) for _, pieces in banks)))
+            return solve(banks, inputs)
+        opt._step_banks = traced
+    solved = []
+    for step in range(STEPS):
+        for p, g in zip(params, gradients(step)):
+            p.grad = distribute_tensor(g, mesh, placements) if placements else g
+        opt.step()
+        solved.append(opt.exchange_counts["solved"] if layout != "one" else None)
+    state = {i: {key: whole(value).clone() for key, value in opt.state[p].items() if torch.is_tensor(value)}
+             for i, p in enumerate(params)}
+    return {"weights": [whole(p.detach()).clone() for p in params], "state": state, "stats": opt.stats(),
+            "solved": solved, "local": [p.detach().to_local().clone() if placements else None for p in params],
+            "counts": dict(opt.exchange_counts)}
+
+
+class Traced:
+    """exchange's collectives, recording each post and each wait in `trace`."""
+
+    def __init__(self, trace):
+        self.trace, self.count, self.saved = trace, 0, {}
+
+    def handle(self, kind, handle):
+        index, trace = self.count, self.trace
+        self.count += 1
+        trace.append(("post", kind, index))
+
+        class Waited:
+            def wait(self):
+                trace.append(("wait", kind, index))
+                return handle.wait()
+        return Waited()
+
+    def __enter__(self):
+        all_to_all, gather = exchange.all_to_all, exchange.all_gather_rows
+
+        def traced_all_to_all(*args, **kwargs):
+            received, send, handle = all_to_all(*args, **kwargs)
+            return received, send, self.handle("all_to_all", handle)
+
+        def traced_gather(*args, async_op=False, **kwargs):
+            if not async_op:
+                return gather(*args, **kwargs)
+            rows, handle = gather(*args, async_op=True, **kwargs)
+            return rows, self.handle("all_gather", handle)
+        self.saved = {"all_to_all": all_to_all, "all_gather_rows": gather}
+        exchange.all_to_all, exchange.all_gather_rows = traced_all_to_all, traced_gather
+        return self
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            setattr(exchange, name, value)
+
+
+def rank_main(rank, world, store, out_dir):
+    torch.set_num_threads(1)
+    from torch.distributed import tensor as _tensor  # noqa: F401  (before the group: see train_gpt2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        exchange.EXCHANGE_BUCKET = 1  # every bank cut: one piece per owner and bucket
+        results = {}
+        meshes = {"ddp": None, "fsdp": init_device_mesh("cpu", (world,))}
+        if world == 4:
+            meshes = {"hsdp": init_device_mesh("cpu", (2, 2))}
+        for layout, mesh in meshes.items():
+            for overlap in (True, False):
+                trace = []
+                with Traced(trace):
+                    results[layout, overlap] = train(layout, overlap, mesh, trace)
+                results[layout, overlap]["trace"] = trace
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        end_rank_process()
+
+
+def launch(world, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    run_ranks(rank_main, lambda rank: (rank, world, os.path.join(out_dir, "store"), out_dir), world, timeout=300)
+    return [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(world)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exchange")
+    return {world: launch(world, str(root / str(world))) for world in (2, 3, 4)}
+
+
+@pytest.fixture(scope="module")
+def alone():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train("one", True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"])) and a["state"].keys() == b[
+        "state"].keys() and all(a["state"][i].keys() == b["state"][i].keys() and all(
+            torch.equal(v, b["state"][i][k]) for k, v in a["state"][i].items()) for i in a["state"])
+
+
+def largest_difference(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a["weights"], b["weights"]))
+
+
+CASES = [(2, "ddp"), (2, "fsdp"), (3, "ddp"), (3, "fsdp"), (4, "hsdp")]
+
+
+@pytest.mark.parametrize("world,layout", CASES)
+def test_overlap_on_and_off_are_bitwise_equal_with_every_bank_cut(runs, alone, world, layout):
+    for results in runs[world]:
+        on, off = results[layout, True], results[layout, False]
+        assert equal(on, off)  # weights, momenta, warm starts (and radii, steps)
+        assert on["stats"] == off["stats"] and on["stats"].keys() == alone["stats"].keys()
+        assert equal(on, runs[world][0][layout, True])  # every rank holds the same
+        assert on["counts"]["collectives"] >= 3  # several buckets: something to overlap
+    # the one process's solve, to within the rounding of batches of other sizes
+    gap = largest_difference(runs[world][0][layout, True], alone)
+    print(f"{layout} on {world} ranks: {gap:.1e} from one process")
+    assert gap <= 1e-5
+
+
+def returns_in_flight_while_solving(trace):
+    """Whether a bucket's return (the collective posted right after its solve) is waited only
+    after a later solve: in flight while the next bucket solves."""
+    waits = {event[1:]: i for i, event in enumerate(trace) if event[0] == "wait"}
+    returns = [(i + 1, trace[i + 1][1:]) for i, event in enumerate(trace[:-1])
+               if event[0] == "solve" and trace[i + 1][0] == "post"]
+    return any(trace[j][0] == "solve" for posted, key in returns for j in range(posted, waits[key]))
+
+
+@pytest.mark.parametrize("world,layout", CASES)
+def test_with_overlap_a_buckets_return_travels_while_the_next_one_solves(runs, world, layout):
+    for results in runs[world]:
+        assert returns_in_flight_while_solving(results[layout, True]["trace"])
+        assert not returns_in_flight_while_solving(results[layout, False]["trace"])
+
+
+def test_hsdp_solves_each_matrix_once_per_job_with_bitwise_equal_replicas(runs, alone):
+    ranks = runs[4]  # mesh (2, 2): rank = 2 r + s, replica r, shard s
+    pieces = sum(len(spec) if isinstance(spec, tuple) else 1 for _, _, spec in MATRICES)
+    for step in range(STEPS):
+        assert sum(results["hsdp", True]["solved"][step] for results in ranks) == pieces
+    for s in range(2):
+        for a, b in zip(ranks[s]["hsdp", True]["local"], ranks[2 + s]["hsdp", True]["local"]):
+            assert torch.equal(a, b)
+    assert largest_difference(ranks[0]["hsdp", True], alone) <= 1e-5
