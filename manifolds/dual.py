@@ -110,6 +110,36 @@ def signal_tolerance(plan):
     return SIGNAL_TOL.get(plan.precision, SIGNAL_TOL_FP32)
 
 
+def finite(*xs):
+    """Per entry, whether each of xs (one shape) is finite, and-ed: torch.isfinite's answer in fewer
+    launches (x * 0 is 0 for a finite x, NaN for an infinite or NaN one: 2 launches where isfinite
+    decomposes into 5, abs, ne, eq, mul and bitwise_and; several values stacked: 4 in all)."""
+    x = xs[0] if len(xs) == 1 else torch.stack(xs)
+    ok = x * 0 == 0
+    return ok if len(xs) == 1 else ok.all(dim=0)
+
+
+_PATTERNS = {}  # (name, shape, dtype, device, fake mode) -> (fake mode, tensor): constants made once
+
+
+def constant_pattern(name, shape, like, make):
+    """make() (a constant tensor of `like`'s dtype and device, built on the device from indices)
+    made once per shape, dtype and device and kept: a pattern of a dozen elementwise launches
+    built every step is a dozen launches a step. Not kept while a CUDA graph is captured (its
+    memory would belong to the graph) or under inference mode; a fake tensor is kept per fake mode
+    (bench.cost_model counts the step as a GPU runs it: built on the first step only)."""
+    if torch.is_inference_mode_enabled() or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return make()
+    mode = getattr(like, "fake_mode", None)
+    key = (name, tuple(shape), like.dtype, like.device, id(mode))
+    hit = _PATTERNS.get(key)
+    if hit is None:
+        if len(_PATTERNS) >= 64:
+            _PATTERNS.clear()
+        hit = _PATTERNS[key] = (mode, make())  # the mode kept alive with it: its id is not reused
+    return hit[1]
+
+
 def sketch_probes(q, dtype, device, columns=SKETCH_COLUMNS):
     """A fixed q x columns matrix of +-1 (a hash of the indices; made on the device, no host data)."""
     i = torch.arange(q, device=device, dtype=torch.int64)[:, None]
@@ -135,7 +165,8 @@ def tangent_signal(W, G, M0, pair, plan):
     norm, the q x q value where it is precise (above 0.1 ||G||_F), else the sketch's."""
     g2 = G.square().sum(dim=(-2, -1))
     t2 = g2 - 0.5 * (pair * M0.square()).sum(dim=(-2, -1))
-    probes = sketch_probes(G.size(-1), G.dtype, G.device)
+    probes = constant_pattern("probes", (G.size(-1), SKETCH_COLUMNS), G,
+                              lambda: sketch_probes(G.size(-1), G.dtype, G.device))
     Y = G @ probes - W @ (M0 @ probes)
     s2 = Y.square().sum(dim=(-2, -1)) / probes.size(-1)
     tol = signal_tolerance(plan)
@@ -143,7 +174,7 @@ def tangent_signal(W, G, M0, pair, plan):
     # its TF32 noise), which also covers a tangent part the q - k null directions of the fixed
     # probes would hide from the sketch
     seen = (s2 > tol * tol * g2) | (t2 > 1e-4 * g2)
-    signal = torch.isfinite(g2) & torch.isfinite(s2) & torch.isfinite(t2) & seen & (g2 > 0)
+    signal = finite(g2, s2, t2) & seen & (g2 > 0)
     norm2 = torch.where(t2 > 1e-2 * g2, t2, s2)
     norm = torch.where(signal, norm2, torch.ones_like(norm2)).clamp_min(torch.finfo(G.dtype).tiny).sqrt()
     return norm, signal
@@ -154,17 +185,21 @@ def stand_in(G):
     is solved on instead of its own (0, normal or non-finite: its iterations would divide by 0 or
     hand eigh a NaN); its answer is then discarded (silence)."""
     p, q = G.shape[-2:]
-    i = torch.arange(p, device=G.device, dtype=torch.int64)[:, None]
-    j = torch.arange(q, device=G.device, dtype=torch.int64)[None, :]
+    return constant_pattern("stand_in", (p, q), G, lambda: stand_in_pattern(p, q, G.dtype, G.device)).expand(G.shape)
+
+
+def stand_in_pattern(p, q, dtype, device):
+    i = torch.arange(p, device=device, dtype=torch.int64)[:, None]
+    j = torch.arange(q, device=device, dtype=torch.int64)[None, :]
     bits = ((i * 2654435761 + j * 40503 + i * j * 97) >> 5) & 1
-    return ((1 - 2 * bits).to(G.dtype) / (p * q) ** 0.5).expand(G.shape)
+    return (1 - 2 * bits).to(dtype) / (p * q) ** 0.5
 
 
 def bounded_correction(C, d2):
     """The carried correction C (q x q) made safe to start from: 0 where it is not finite, and
     scaled down where ||2 W C||_F = 2 ||D C||_F exceeds CORRECTION_CAP (for a unit G an
     optimum's is well below 1: a larger one is stale or corrupt, and it would outweigh G)."""
-    C = torch.where(torch.isfinite(C).all(dim=(-2, -1), keepdim=True), C, 0.0)
+    C = torch.where(finite(C).all(dim=(-2, -1), keepdim=True), C, 0.0)
     size = 2 * (C.square() * d2[..., :, None]).sum(dim=(-2, -1), keepdim=True).sqrt()
     return C * (CORRECTION_CAP / size.clamp_min(CORRECTION_CAP))
 
@@ -492,7 +527,7 @@ def better_answer(problem, G, B, other, plan):
     norms = top_eigenvalue_bound(grams.reshape((-1,) + grams.shape[-2:]), NORM_SQUARINGS, problem.backend,
                                  tf32=plan.tf32).reshape(grams.shape[:-2]).sqrt()
     score = (G * pair).sum(dim=(-2, -1)) / norms.clamp_min(torch.finfo(G.dtype).tiny)
-    take = (score[1] > score[0]) & torch.isfinite(score[1])
+    take = (score[1] > score[0]) & finite(score[1])
     return torch.where(take[..., None, None], other, B)
 
 
@@ -626,7 +661,7 @@ def exact_square_direction(W, G, geo, plan):
     # X is Proj_T G itself, formed entry by entry: a G without a tangent part (W S, 0) gives no answer
     g2, x2 = G.square().sum(dim=(-2, -1)), X.square().sum(dim=(-2, -1))
     tol = signal_tolerance(plan)
-    signal = torch.isfinite(g2) & torch.isfinite(x2) & (x2 > tol * tol * g2) & (g2 > 0)
+    signal = finite(g2, x2) & (x2 > tol * tol * g2) & (g2 > 0)
     if plan.exact_sign[0] == "minimax":
         with kernels.tf32_products():
             A = kernels.msign(X, plan.exact_sign[1], 0, plan.backend, schedule=EXACT_SCHEDULE)
@@ -678,7 +713,7 @@ def solve_tall(W, G, geo, state, plan):
         # plain Muon as the field runs it: Polar Express in the sign dtype (bf16 on a GPU), no polish
         A = in_sign_dtype(lambda X: kernels.msign(X, *MUON_STEPS, plan.backend), G, plan)
         g2 = G.square().sum(dim=(-2, -1))
-        A = silence(torch.isfinite(g2) & (g2 > 0), A)  # a zero or non-finite G: no step
+        A = silence(finite(g2) & (g2 > 0), A)  # a zero or non-finite G: no step
         return Solution(A, None, torch.zeros(W.shape[:-2], dtype=W.dtype, device=W.device), 0)
     if geo.exact_square_step and W.size(-2) == W.size(-1):
         return exact_square_stiefel(W, G, geo, plan)

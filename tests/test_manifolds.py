@@ -330,3 +330,21 @@ def test_tall_banks_survive_a_nearly_rank_deficient_momentum(manifold):
                 torch.testing.assert_close(A.double(), T, rtol=0, atol=1e-5 * T.abs().max().item())
             else:
                 assert quality(W, G, A, opt) >= 0.97
+
+
+def test_finite_is_isfinite_and_constant_patterns_are_made_once_per_mode():
+    # dual.finite: isfinite's answer in 2 launches (x * 0 == 0), -0, huge and subnormal values included
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from manifolds import dual
+    x = torch.tensor([0.0, -0.0, 3e38, -3.0, float("inf"), -float("inf"), float("nan"), 1e-45])
+    assert torch.equal(dual.finite(x), torch.isfinite(x))
+    assert torch.equal(dual.finite(x, x.flip(0)), torch.isfinite(x) & torch.isfinite(x.flip(0)))
+    # the stand-in is built once per shape (a kept tensor, the same values), and a fake tensor is
+    # kept for its own fake mode only
+    G = torch.randn(2, 12, 8)
+    a, b = dual.stand_in(G), dual.stand_in(G)
+    assert a.data_ptr() == b.data_ptr() and a.shape == G.shape
+    assert torch.equal(a[1], dual.stand_in_pattern(12, 8, G.dtype, G.device))
+    with FakeTensorMode() as mode:
+        fake = dual.stand_in(mode.from_tensor(G))
+    assert isinstance(fake, FakeTensor) and not isinstance(dual.stand_in(G), FakeTensor)
