@@ -2,7 +2,7 @@
 # Issue 51's quick-setting comparison (docs/experiments.md section 7): the Hyperball presets at
 # Muon lr 0.02 and 0.05, the baselines at their best lr of section 5 (hetero and all-stiefel 0.05,
 # unconstrained 0.02), 3 seeds, on the books that bench/experiments/scheme_compare.sh prepares; resumable
-# (run.sh keeps finished runs). Then: python -m tools.sweep_report runs/hyperball-quick --out docs/hyperball-quick
+# (run.sh keeps finished runs). Then: python -m tools.sweep_report runs/hyperball-quick --out docs/experiments/hyperball-quick
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export RUNS_DIR=${RUNS_DIR:-runs/hyperball-quick} SKIP_SETUP=${SKIP_SETUP:-1}
