@@ -152,3 +152,9 @@ def test_flags_page_names_the_solvers_default_scheme_as_the_default():
     default = SolverOptions().scheme
     said = re.findall(r"`(\w+)`, the default", text)
     assert said and set(said) == {default}, f"docs/flags.md calls {said} the default scheme; it is {default}"
+
+
+def test_readme_stays_a_front_page():
+    # the two commands, the overview, the method and the headline results; details go to docs/
+    lines = open(os.path.join(ROOT, "README.md")).read().count("\n")
+    assert lines < 300, f"README.md has {lines} lines: move details into a docs/ page and link it"
