@@ -32,6 +32,7 @@ reference) or `products_triton` (fused kernels). One step is three products:
 """
 import torch
 
+from kernels.constants import eye as kept_eye, scalar
 from kernels.precision import tf32_products
 
 # Polar Express (5 steps, tuned for inputs normalised by 1.02 * ||X||_F).
@@ -201,9 +202,9 @@ def orthonormalize_near(X, steps, ops, tf32_correction=False):
     in_gram_space = steps >= 2 and X.size(-1) >= 2 * X.size(-2)
     with tf32_products(in_gram_space and tf32_correction):
         S = ops.sym_product(X)
-    eye = torch.eye(S.size(-1), dtype=S.dtype, device=S.device)
+    eye = kept_eye(S.size(-1), S)
     distance = (S - eye).norm(dim=(-2, -1), keepdim=True)
-    scale = torch.where(distance > 1.0, (1.0 + distance).rsqrt(), 1.0)
+    scale = torch.where(distance > 1.0, (1.0 + distance).rsqrt(), scalar(1.0, distance))
     X, S = X * scale, S * scale.square()
     if in_gram_space:
         with tf32_products(tf32_correction):
@@ -229,7 +230,7 @@ def _gram_steps(X, S, steps, ops):
     runs on F, so that every product is one of small matrices and rounds relative to them
     (products of Z and S themselves leave ~1e-6 in Z S Z - I at q = 768, fp32):
         F_1 = -E / 2;   H = Z^2 - I = 2 F + F^2,  R = E + H + E H,  F <- F - R / 2 - F R / 2."""
-    E = S - torch.eye(S.size(-1), dtype=S.dtype, device=S.device)
+    E = S - kept_eye(S.size(-1), S)
     F = -0.5 * E
     for _ in range(steps - 1):
         H = ops.sym_product(F, alpha=1.0, C=F, beta=2.0)   # F F^T + 2 F = 2 F + F^2 (F symmetric)

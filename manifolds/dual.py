@@ -36,6 +36,7 @@ from functools import cached_property
 import torch
 
 import kernels
+from kernels.constants import eye, kept, scalar
 from kernels.products_torch import pair_scale
 from kernels.matrix_sign import CLIP_SCHEDULE, EXACT_SCHEDULE, POLAR_SCHEDULE
 from manifolds.geometry import geometry
@@ -119,27 +120,6 @@ def finite(*xs):
     return ok if len(xs) == 1 else ok.all(dim=0)
 
 
-_PATTERNS = {}  # (name, shape, dtype, device, fake mode) -> (fake mode, tensor): constants made once
-
-
-def constant_pattern(name, shape, like, make):
-    """make() (a constant tensor of `like`'s dtype and device, built on the device from indices)
-    made once per shape, dtype and device and kept: a pattern of a dozen elementwise launches
-    built every step is a dozen launches a step. Not kept while a CUDA graph is captured (its
-    memory would belong to the graph) or under inference mode; a fake tensor is kept per fake mode
-    (bench.cost_model counts the step as a GPU runs it: built on the first step only)."""
-    if torch.is_inference_mode_enabled() or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return make()
-    mode = getattr(like, "fake_mode", None)
-    key = (name, tuple(shape), like.dtype, like.device, id(mode))
-    hit = _PATTERNS.get(key)
-    if hit is None:
-        if len(_PATTERNS) >= 64:
-            _PATTERNS.clear()
-        hit = _PATTERNS[key] = (mode, make())  # the mode kept alive with it: its id is not reused
-    return hit[1]
-
-
 def sketch_probes(q, dtype, device, columns=SKETCH_COLUMNS):
     """A fixed q x columns matrix of +-1 (a hash of the indices; made on the device, no host data)."""
     i = torch.arange(q, device=device, dtype=torch.int64)[:, None]
@@ -165,7 +145,7 @@ def tangent_signal(W, G, M0, pair, plan):
     norm, the q x q value where it is precise (above 0.1 ||G||_F), else the sketch's."""
     g2 = G.square().sum(dim=(-2, -1))
     t2 = g2 - 0.5 * (pair * M0.square()).sum(dim=(-2, -1))
-    probes = constant_pattern("probes", (G.size(-1), SKETCH_COLUMNS), G,
+    probes = kept("probes", (G.size(-1), SKETCH_COLUMNS), G,
                               lambda: sketch_probes(G.size(-1), G.dtype, G.device))
     Y = G @ probes - W @ (M0 @ probes)
     s2 = Y.square().sum(dim=(-2, -1)) / probes.size(-1)
@@ -185,7 +165,7 @@ def stand_in(G):
     is solved on instead of its own (0, normal or non-finite: its iterations would divide by 0 or
     hand eigh a NaN); its answer is then discarded (silence)."""
     p, q = G.shape[-2:]
-    return constant_pattern("stand_in", (p, q), G, lambda: stand_in_pattern(p, q, G.dtype, G.device)).expand(G.shape)
+    return kept("stand_in", (p, q), G, lambda: stand_in_pattern(p, q, G.dtype, G.device)).expand(G.shape)
 
 
 def stand_in_pattern(p, q, dtype, device):
@@ -199,7 +179,7 @@ def bounded_correction(C, d2):
     """The carried correction C (q x q) made safe to start from: 0 where it is not finite, and
     scaled down where ||2 W C||_F = 2 ||D C||_F exceeds CORRECTION_CAP (for a unit G an
     optimum's is well below 1: a larger one is stale or corrupt, and it would outweigh G)."""
-    C = torch.where(finite(C).all(dim=(-2, -1), keepdim=True), C, 0.0)
+    C = torch.where(finite(C).all(dim=(-2, -1), keepdim=True), C, scalar(0.0, C))
     size = 2 * (C.square() * d2[..., :, None]).sum(dim=(-2, -1), keepdim=True).sqrt()
     return C * (CORRECTION_CAP / size.clamp_min(CORRECTION_CAP))
 
@@ -216,7 +196,7 @@ def with_signal(W, G, geo, d2, plan):
 
 def silence(signal, X):
     """X where the matrix has a signal, 0 elsewhere (a NaN computed from no signal included)."""
-    return torch.where(signal.reshape(signal.shape + (1,) * (X.dim() - signal.dim())), X, 0.0)
+    return torch.where(signal.reshape(signal.shape + (1,) * (X.dim() - signal.dim())), X, scalar(0.0, X))
 
 
 def relative_residual(W, sumsq):
@@ -282,7 +262,7 @@ def minus_identity_and_abs(S, plan):
     """(E, |E|) for E = S - I, S symmetric (q x q): |E| = sym(sign(E) E). Its least accurate
     eigenvalues, those near 0, matter least to both callers: they change min(P, I) in the clip
     and E+ in the pullback by about themselves."""
-    E = S - torch.eye(S.size(-1), dtype=S.dtype, device=S.device)
+    E = S - eye(S.size(-1), S)
     sign_E = in_sign_dtype(lambda X: clip_sign(X, plan), E, plan)
     return E, kernels.symmetric_part(sign_E.mT, E, plan.backend)
 
@@ -475,7 +455,7 @@ def online_iterations(problem, G, correction, plan):
     _, signal = tangent_signal(W, G, M0, problem.pair, plan)
     G = torch.where(signal[..., None, None], G, stand_in(G))
     # (a stand-in's X = G + 2 W C need not be its tangent part: only its answer's finiteness matters)
-    M0 = torch.where(signal[..., None, None], M0, 0.0)
+    M0 = torch.where(signal[..., None, None], M0, scalar(0.0, M0))
     warm = correction is not None
     incoming = (bounded_correction(correction, problem.d2) if warm
                 else torch.zeros(W.shape[:-2] + (q, q), dtype=W.dtype, device=W.device))

@@ -38,6 +38,7 @@ is named (specs, groups, the trainer's --assign, the reference solver).
 import torch
 
 import kernels
+from kernels.constants import scalar
 from kernels.products_torch import pair_scale
 from kernels.tangent import correction_product
 
@@ -116,7 +117,7 @@ class Manifold:
 
     def gram_projector(self, S):
         """P(S) for symmetric S (..., q, q)."""
-        return torch.where(self.gram_mask(S.size(-1), S.device), S, 0.0)
+        return torch.where(self.gram_mask(S.size(-1), S.device), S, scalar(0.0, S))
 
     def squared_norms(self, W):
         """d_i^2 as a (..., q) tensor: the column norms of W, which on Stiefel are 1."""

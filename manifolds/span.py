@@ -24,6 +24,7 @@ matrix at lr 0.2).
 import torch
 
 import kernels
+from kernels.constants import eye as kept_eye
 from manifolds.geometry import MaskedGram
 
 
@@ -195,7 +196,7 @@ def top_eigenvalue_bound(S, squarings, backend="torch", tf32=False):
     coherently on the diagonal, E only relative to its own small entries.
     """
     q = S.size(-1)
-    eye = torch.eye(q, dtype=S.dtype, device=S.device)
+    eye = kept_eye(q, S)
     # S / m first, m = its largest diagonal entry (lam_1 / q <= m <= lam_1): the top of S / m lies
     # in [1, q], whatever S's scale, so the form below (made for S ~ I) holds for every answer. On
     # S itself, a small S (a short answer: c B, c = 1e-2) gave E ~ -I, and E E^T + 2 E + I cancelled
@@ -210,7 +211,8 @@ def top_eigenvalue_bound(S, squarings, backend="torch", tf32=False):
         for k in range(1, squarings):
             if k % 3 == 1:  # top eigenvalue >= 1 / sqrt(q) here, >= q^-4 three squarings on
                 norm = P.norm(dim=(-2, -1)).clamp_min(1e-30)
-                P, log_scale = P / norm[..., None, None], log_scale + norm.log() / 2 ** k
+                # log_scale + log(norm) / 2^k, the division by 2^k exact: one launch for two
+                P, log_scale = P / norm[..., None, None], torch.add(log_scale, norm.log(), alpha=2.0 ** -k)
             P = kernels.sym_product(P, backend=backend)
     t = torch.diagonal(P, dim1=-2, dim2=-1).sum(dim=-1)
     f = P.square().sum(dim=(-2, -1))

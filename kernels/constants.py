@@ -1,0 +1,34 @@
+"""Constant tensors the solver reads every step (identities, 0 and 1 for torch.where, fixed sign
+patterns), made once per shape, dtype and device and kept: built every step, each is one or more
+launches a step (torch.eye, a Python scalar in torch.where: a scalar_tensor fill on CUDA)."""
+import torch
+
+_KEPT = {}  # (name, shape, dtype, device, id(fake mode)) -> (fake mode, tensor)
+LIMIT = 64
+
+
+def kept(name, shape, like, make):
+    """make() (a constant tensor of `like`'s dtype and device) made once per name, shape, dtype
+    and device and kept. Not kept while a CUDA graph is captured (its memory would belong to the
+    graph) or under inference mode; a fake tensor is kept for its own fake mode (bench.cost_model
+    counts the step as a GPU runs it: built on the first step only). Callers must not write to it."""
+    if torch.is_inference_mode_enabled() or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return make()
+    mode = getattr(like, "fake_mode", None)
+    key = (name, tuple(shape), like.dtype, like.device, id(mode))
+    hit = _KEPT.get(key)
+    if hit is None:
+        if len(_KEPT) >= LIMIT:
+            _KEPT.clear()
+        hit = _KEPT[key] = (mode, make())  # the mode kept alive with it: its id is not reused
+    return hit[1]
+
+
+def eye(q, like):
+    """The q x q identity in like's dtype and device."""
+    return kept("eye", (q,), like, lambda: torch.eye(q, dtype=like.dtype, device=like.device))
+
+
+def scalar(value, like):
+    """A 0-dim tensor of `value` in like's dtype and device, for torch.where."""
+    return kept(("scalar", value), (), like, lambda: torch.full((), value, dtype=like.dtype, device=like.device))
