@@ -2,12 +2,9 @@
 the same weights, bit for bit, as the whole model built in one process with the same seed, the
 generator left where that build leaves it, and a rank's memory growing by its shards plus one
 block, not by the whole model."""
-import os
-
 import pytest
 import torch
 
-import train_gpt2
 from gloo_ranks import end_rank_process, run_ranks
 from model import GPT, GPTConfig
 from training import meta_init

@@ -15,7 +15,6 @@ rank trains, under `fully_shard` per block and at the root:
 The test process trains the same models in one process (ManifoldMuon and SGD, no sharding) and
 compares.
 """
-import json
 import multiprocessing
 import os
 
