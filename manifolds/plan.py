@@ -22,7 +22,7 @@ CLIPS = ("auto", "eigh", "polynomial")
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 CAPTURABLE = ("auto", True, False)
 SOLVERS = ("fast", "reference")
-SCHEMES = ("online", "admm")
+SCHEMES = ("online", "admm", "newton")  # newton: manifolds/newton.py
 WIRE_DTYPES = ("auto", "fp32", "bf16")
 
 # Fixed budgets (not settings: no experiment moves them)
