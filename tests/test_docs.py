@@ -158,3 +158,29 @@ def test_readme_stays_a_front_page():
     # the two commands, the overview, the method and the headline results; details go to docs/
     lines = open(os.path.join(ROOT, "README.md")).read().count("\n")
     assert lines < 300, f"README.md has {lines} lines: move details into a docs/ page and link it"
+
+
+def test_every_bench_command_named_in_the_pages_and_scripts_exists():
+    # `python -m bench.X` and `bash bench/X.sh` in README, docs/, bench/ and run.sh: a module or
+    # script that moved (bench/experiments/) without its references fails here
+    sources = PAGES + glob.glob(os.path.join(ROOT, "bench", "**", "*.*"), recursive=True) + [os.path.join(ROOT, "run.sh")]
+    missing = []
+    for path in sources:
+        if not path.endswith((".md", ".py", ".sh")):
+            continue
+        text = open(path).read()
+        for module in set(re.findall(r"-m (bench(?:\.[a-z_0-9]+)+)\b(?!\.)", text)):  # not bench.NAME
+            if not os.path.exists(os.path.join(ROOT, *module.split(".")) + ".py"):
+                missing.append(f"{os.path.relpath(path, ROOT)}: python -m {module}")
+        for script in set(re.findall(r"\b(bench/[a-z_0-9/]+\.(?:sh|py))\b", text)):  # not bench/X.py
+            if not os.path.exists(os.path.join(ROOT, script)):
+                missing.append(f"{os.path.relpath(path, ROOT)}: {script}")
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("driver", sorted(glob.glob(os.path.join(ROOT, "bench", "experiments", "*.sh"))),
+                         ids=lambda p: os.path.relpath(p, ROOT))
+def test_an_experiment_driver_runs_from_the_repository_root(driver):
+    up = re.search(r'^cd "\$\(dirname "\$0"\)/([./]+)"', open(driver).read(), flags=re.M)
+    assert up, f"{driver}: no cd to the repository root"
+    assert os.path.normpath(os.path.join(os.path.dirname(driver), up.group(1))) == ROOT
