@@ -17,6 +17,7 @@ import torch
 
 from errors import UserError
 from kernels import matrix_sign, products_torch, tangent
+from kernels.constants import scalar
 from kernels.precision import tf32_products  # noqa: F401  (re-exported: the solver's TF32 scope)
 
 BACKENDS = ("auto", "triton", "torch")
@@ -134,5 +135,5 @@ def matmul(B, X, backend="auto"):
     """B X at the kernels' precision (fp32 operands: 3xTF32 on GPUs, TF32 inside tf32_products()),
     where a plain torch matmul would run IEEE fp32 on CUDA cores. matmul_add with beta = 0 and a
     stride-0 zero for C: nothing of size is read or written besides B, X and the result."""
-    zero = torch.zeros((), dtype=X.dtype, device=X.device).expand(B.shape[:-1] + X.shape[-1:])
+    zero = scalar(0.0, X).expand(B.shape[:-1] + X.shape[-1:])  # kept: no fill launch per call
     return matmul_add(B, X, zero, alpha=1.0, beta=0.0, backend=backend)

@@ -9,19 +9,22 @@ LIMIT = 64
 
 def kept(name, shape, like, make):
     """make() (a constant tensor of `like`'s dtype and device) made once per name, shape, dtype
-    and device and kept. Not kept while a CUDA graph is captured (its memory would belong to the
-    graph) or under inference mode; a fake tensor is kept for its own fake mode (bench.cost_model
-    counts the step as a GPU runs it: built on the first step only). Callers must not write to it."""
-    if torch.is_inference_mode_enabled() or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return make()
+    and device and kept. While a CUDA graph is captured or under inference mode a kept one is
+    read but none is stored (its memory would belong to the graph; an inference tensor); the
+    eager warm-up steps before a capture (manifolds/step_graph.py) have made them. A fake tensor is
+    kept for its own fake mode (bench.cost_model counts the step as a GPU runs it: built on the
+    first step only). Callers must not write to it."""
     mode = getattr(like, "fake_mode", None)
     key = (name, tuple(shape), like.dtype, like.device, id(mode))
     hit = _KEPT.get(key)
-    if hit is None:
-        if len(_KEPT) >= LIMIT:
-            _KEPT.clear()
-        hit = _KEPT[key] = (mode, make())  # the mode kept alive with it: its id is not reused
-    return hit[1]
+    if hit is not None:
+        return hit[1]
+    if torch.is_inference_mode_enabled() or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return make()
+    if len(_KEPT) >= LIMIT:
+        _KEPT.clear()
+    _KEPT[key] = (mode, make())  # the mode kept alive with it: its id is not reused
+    return _KEPT[key][1]
 
 
 def eye(q, like):

@@ -72,7 +72,8 @@ def exact_rescale(G):
     1e-60 are 0 in fp32). A zero or non-finite matrix is left as it is (frexp's exponent 0); the
     exponent is clamped so that the factor 2^-e itself stays finite (a subnormal G is lifted to
     2^-12 at least, not to [0.5, 1))."""
-    _, exponent = torch.frexp(G.abs().amax(dim=(-2, -1), keepdim=True))
+    # the largest |entry| by one reduction (vector_norm's inf-norm: max |x|, exact), not abs then amax
+    _, exponent = torch.frexp(torch.linalg.vector_norm(G, float("inf"), dim=(-2, -1), keepdim=True))
     return torch.ldexp(G, (-exponent).clamp(-120, 120)).to(G.dtype)
 
 
@@ -144,19 +145,24 @@ def tangent_signal(W, G, M0, pair, plan):
     chi-square below 1e-2 of its mean to be missed) or the q x q value where that is precise; the
     norm, the q x q value where it is precise (above 0.1 ||G||_F), else the sketch's."""
     g2 = G.square().sum(dim=(-2, -1))
-    t2 = g2 - 0.5 * (pair * M0.square()).sum(dim=(-2, -1))
-    probes = kept("probes", (G.size(-1), SKETCH_COLUMNS), G,
-                              lambda: sketch_probes(G.size(-1), G.dtype, G.device))
+    # g2 - 0.5 x: the product by 0.5 exact, so sub's alpha gives the same bits in one launch
+    t2 = torch.sub(g2, (pair * M0.square()).sum(dim=(-2, -1)), alpha=0.5)
+    probes = kept("probes", (G.size(-1), SKETCH_COLUMNS), G, lambda: sketch_probes(G.size(-1), G.dtype, G.device))
     Y = G @ probes - W @ (M0 @ probes)
     s2 = Y.square().sum(dim=(-2, -1)) / probes.size(-1)
     tol = signal_tolerance(plan)
-    # either estimate may see the signal: the q x q one wherever it is precise (t > 1e-2 ||G||_F, 10x
-    # its TF32 noise), which also covers a tangent part the q - k null directions of the fixed
-    # probes would hide from the sketch
-    seen = (s2 > tol * tol * g2) | (t2 > 1e-4 * g2)
-    signal = finite(g2, s2, t2) & seen & (g2 > 0)
-    norm2 = torch.where(t2 > 1e-2 * g2, t2, s2)
-    norm = torch.where(signal, norm2, torch.ones_like(norm2)).clamp_min(torch.finfo(G.dtype).tiny).sqrt()
+    # the four tests against multiples of g2 as one comparison of stacked values (the same products
+    # and comparisons, four launches fewer): s2 > tol^2 g2 and t2 > 1e-4 g2 (either estimate may see
+    # the signal: the q x q one wherever it is precise, t > 1e-2 ||G||_F, 10x its TF32 noise, which
+    # also covers a tangent part the q - k null directions of the fixed probes would hide from the
+    # sketch), t2 > 1e-2 g2 (the q x q value is precise) and g2 > 0
+    values = torch.stack([s2, t2, t2, g2])
+    factors = kept(("signal factors", tol), (4,), G, lambda: torch.tensor(
+        [tol * tol, 1e-4, 1e-2, 0.0], dtype=torch.float64).to(G.dtype).to(G.device))
+    above = values > factors.view((4,) + (1,) * g2.dim()) * g2
+    signal = finite(values).all(dim=0) & (above[0] | above[1]) & above[3]
+    norm2 = torch.where(above[2], t2, s2)
+    norm = torch.where(signal, norm2, scalar(1.0, norm2)).clamp_min(torch.finfo(G.dtype).tiny).sqrt()
     return norm, signal
 
 
@@ -464,7 +470,8 @@ def online_iterations(problem, G, correction, plan):
     previous = None
     sharpen, sign_steps = sharpens(geo, plan), online_sign_steps(geo, plan)
     for k in range(steps):
-        X = problem.times_W(2.0 * C - M0, G, 1.0)  # Proj_T(G) + 2 W C in one product
+        # Proj_T(G) + 2 W C = G - W (M0 - 2 C) in one product (M0 - 2 C: one launch, exactly -(2 C - M0))
+        X = problem.times_W(torch.sub(M0, C, alpha=2.0), G, -1.0)
         A = polar(X, plan, sign_steps)
         if sharpen and k == steps - 1:
             S = problem.cross(A)
@@ -480,7 +487,7 @@ def online_iterations(problem, G, correction, plan):
             step = torch.where(secant > 0, torch.minimum(torch.maximum(secant, 0.1 * step), 10 * step), step)
         previous = (C, M)
         C = C - step * M
-    H = M * pair_scale(problem.d2)  # P(W^T A + A^T W) of the last sign
+    H = M * problem.pair  # P(W^T A + A^T W) of the last sign
     B = problem.sharpened(A, S, M) if sharpen else problem.times_W(M, A, -1.0)
     if geo.secant_dual:
         B = better_answer(problem, G, B, projected_sign(problem, G, plan, sign_steps), plan)
@@ -594,9 +601,6 @@ def online_full(W, G, geo, correction, plan):
 def online_direction(W, G, geo, correction, plan):
     """(B, d2, correction, residual, iterations) of online_full before finalize_banks (B is
     tangent: finalize need not project it)."""
-    if plan.options.scheme == "newton" and not geo.secant_dual:
-        from manifolds.newton import newton_direction  # damped Newton on the multiplier, in q x q
-        return newton_direction(W, G, geo, correction, plan)
     d2 = geo.squared_norms(W)
     with kernels.tf32_products(plan.tf32):
         B, correction, residual, iterations = online_iterations(FullProblem(W, geo, d2, plan.backend), G,
@@ -686,7 +690,7 @@ def finalize_banks(banks, plan, project=True):
 
 def scheme_solver(plan):
     """The solver of one constrained bank under the plan's scheme (the same signature)."""
-    return online_full if plan.options.scheme in ("online", "newton") else admm
+    return online_full if plan.options.scheme == "online" else admm
 
 
 def solve_tall(W, G, geo, state, plan):
@@ -716,7 +720,7 @@ def solve_tall_banks(banks, plan):
     """
     # every bank's G on one scale (exact): gradients near fp32's range ends step as any other
     banks = [(W, exact_rescale(G), geo, state) for W, G, geo, state in banks]
-    if plan.options.scheme in ("online", "newton"):
+    if plan.options.scheme == "online":
         return online_banks(banks, plan)
     solutions = [None] * len(banks)
     stacks = {}
