@@ -34,9 +34,9 @@ are the same as a real run's as long as the step makes no data-dependent host de
 sync-free step makes none; the syncing one (capturable=off: convergence checks) does, and then
 it reports so and counts a real run instead (unless --fake-only).
 
---fsdp ends with one line per world size N > 1 for the sharded step (manifolds/sharded.py):
+--fsdp ends with one line per world size N > 1 for the sharded step (manifolds/exchange.py):
 `sharded: bucket balance B, bytes per rank G GB, optimizer R of forward+backward`, B the worst
-exchange bucket's most loaded owner over its mean (sharded.bucket_balance, work.piece_cost), G
+exchange bucket's most loaded owner over its mean (exchange.bucket_balance, work.piece_cost), G
 what a rank receives per step (bench/sharded_bytes.py's count), R an ESTIMATE: the counted ranks'
 compute summed, spread over the buckets as their owners carry it (each bucket waits for its most
 loaded owner), and the exchange's bytes at the same link bandwidth, each bucket's out and back
@@ -428,22 +428,22 @@ def sharded_line(args, world_size, ranks, fb, plan):
     the replicas (issue 59's design)."""
     from bench.memory import meta_model
     from bench.sharded_bytes import per_step
-    from manifolds import ManifoldMuon, sharded
+    from manifolds import ManifoldMuon, exchange
     targs = trainer_args(args)
     _, groups = meta_model(targs)
     banks = list(ManifoldMuon(groups, shard=False).banks())
     shard_ranks = args.fsdp_shard_ranks or world_size
     replicas = world_size // shard_ranks
     # owners over every rank of the job (HSDP: of both mesh dimensions)
-    bucketed = sharded.buckets(banks, world_size)
-    owners = sharded.bucket_owners(bucketed, plan, world_size)
-    balance = sharded.bucket_balance(bucketed, owners, plan, world_size)
-    loads = sharded.bucket_loads(bucketed, owners, plan, world_size)
+    bucketed = exchange.buckets(banks, world_size)
+    owners = exchange.bucket_owners(bucketed, plan, world_size)
+    balance = exchange.bucket_balance(bucketed, owners, plan, world_size)
+    loads = exchange.bucket_loads(bucketed, owners, plan, world_size)
     compute = sum(estimate(r)["compute"] for r in ranks)  # every rank's share, summed
     per_bucket = [compute * max(load) / sum(sum(load) for load in loads) for load in loads]
     fsdp_compute = sum(per_bucket)
     ddp_seconds = max(estimate(r)["total"] for r in ranks)
-    # a steady step: G in the plan's wire dtype out, W and Lambda back (sharded.py), inside the
+    # a steady step: G in the plan's wire dtype out, W and Lambda back (exchange.py), inside the
     # shard group: a replica group carries the pieces its replica owns, 1/R of them
     wire = plan.grad_wire_dtype.itemsize
     assignment = dict(targs.assignment)
@@ -458,7 +458,7 @@ def sharded_line(args, world_size, ranks, fb, plan):
     received += replica
     back += replica
     # each bucket's bytes in proportion to its elements (its pieces' W; warm starts taken alike)
-    sizes = [sum(sharded.piece_numel(piece) for _, pieces in bucket for piece in pieces) for bucket in bucketed]
+    sizes = [sum(exchange.piece_numel(piece) for _, pieces in bucket for piece in pieces) for bucket in bucketed]
     share = [size / sum(sizes) for size in sizes]
     rate = H200["link_bytes_per_s"]
     # the exchange as issue 59 has it: each bucket's out and back async, double-buffered (the next
