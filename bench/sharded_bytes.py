@@ -9,7 +9,7 @@ Per rank and step, in bytes received (what sets a ring collective's time; sent i
   * FSDP2 (fully_shard, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), resharded
     after forward): two all-gathers of every parameter in bf16 (forward, backward) and one
     reduce-scatter of the gradients in fp32: (P-1)/P N (2 + 2 + 4) bytes;
-  * ManifoldMuon's exchange (manifolds/sharded.py): out, a rank receives the parts of G of the
+  * ManifoldMuon's exchange (manifolds/exchange.py): out, a rank receives the parts of G of the
     pieces it owns from the P-1 others (g bytes an element: 2 in bf16, a GPU's default, 4 in
     fp32), and of W and the dual warm start Lambda only where the owner holds no resident copy
     from the last step (--resident: --solver-opt resident=on; otherwise every step); back,

@@ -176,7 +176,8 @@ def plan_group(layout, banks, plan):
     else:
         R, r, _ = replicas(layout)
         slots, me = R * layout.size, r * layout.size + layout.rank
-    bucketed = buckets(banks, slots) if slots > 1 else [banks]
+    # one process solves every bank in one call (the solver batches banks of one column count)
+    bucketed = [banks] if isinstance(layout, Replicated) and slots == 1 else buckets(banks, slots)
     owners = bucket_owners(bucketed, plan, slots)
     return Group(layout, banks, bucketed, owners, slots, me)
 

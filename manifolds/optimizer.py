@@ -33,12 +33,15 @@ one call (dual.solve_tall_banks) under the optimizer's one SolverPlan (manifolds
 decided when the optimizer is built (`plan`): the tall Stiefel and DGram banks of one column
 count are ONE batched ADMM in span coordinates, whatever their rows.
 
-Under torch.distributed every piece is computed by one rank, its *owner*: the pieces are
-balanced over the ranks by an estimate of their cost (work.piece_cost, `balanced_owners`: longest
-first onto the least loaded rank), the same on every rank without communication. A rank solves
-its pieces of a bank together, as one batched solve. The new weights are exchanged with one
-flat all-gather per step: each rank sends its pieces, each followed by its new dual warm start
-(fp32, flattened, padded to the largest rank's volume), and every rank writes all of them. So
+Under torch.distributed every piece is computed by one rank, its *owner*: the pieces are cut
+into buckets and each bucket's balanced over the ranks by an estimate of their cost
+(work.piece_cost, `balanced_owners`: longest first onto the least loaded rank), the same on every
+rank without communication (manifolds/exchange.py, which owns the owners, the buckets, the
+collectives and the solver's statistics; the optimizer hands it `_step_banks` and what it needs
+of its state). A rank solves its pieces of a bank together, as one batched solve. The new weights
+of replicated parameters are exchanged with one all-gather per bucket (in flight while the next
+bucket solves): each rank sends its pieces, each followed by its new dual warm start (fp32,
+flattened, padded to the largest rank's volume), and every rank writes all of them. So
 every rank holds the whole state of the replicated parameters: the momentum of every matrix
 (every rank updates it from its gradient, the same everywhere under DDP, so the momenta stay
 bitwise equal) and every piece's warm start. `state_dict()` on any one rank (rank 0 alone saves

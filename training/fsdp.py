@@ -5,12 +5,12 @@ rank (parameters, gradients and optimizer state split by rows over the ranks; a 
 are gathered for its forward and again for its backward, then freed). On CUDA with a bf16
 forward, parameters are gathered in bf16 and gradients reduced in fp32 (the sharded master
 weights stay fp32); on CPU everything is fp32. ManifoldMuon steps the sharded matrices itself
-(manifolds/sharded.py) and torch's AdamW the rest.
+(manifolds/exchange.py: under HSDP each matrix is solved once per job and its new values copied
+to every replica) and torch's AdamW the rest.
 """
 import torch
 import torch.distributed as dist
 
-import kernels
 from errors import UserError
 from manifolds.exchange import all_gather_rows
 
@@ -22,9 +22,9 @@ def shard_model(model, device, dtype, shard_ranks=0):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     world = dist.get_world_size()
     if shard_ranks and shard_ranks != world:
+        # each matrix is solved by one rank of the job and its new values copied to every replica
+        # (manifolds/exchange.py): the replicas need not pick the same kernel tiles
         mesh = init_device_mesh(device.type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"))
-        # every replica group solves every matrix: their kernels must sum in the same order
-        kernels.tiles_by_rule()
     else:
         mesh = init_device_mesh(device.type, (world,))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
