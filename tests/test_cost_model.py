@@ -230,3 +230,13 @@ def test_hsdp_solves_once_per_job_and_prices_the_replica_gather(tmp_path, capsys
         cost_model.parse_args(["--fsdp", "--fsdp-shard-ranks", "3", "--world-size", "8"])
     with pytest.raises(SystemExit):
         cost_model.parse_args(["--fsdp-shard-ranks", "2"])
+
+
+def test_ranks_owning_the_same_shapes_share_one_count(tmp_path):
+    _, every = _run(tmp_path, "every", "--world-size", "4", "--fake-only", "--count-every-rank")
+    _, shared = _run(tmp_path, "shared", "--world-size", "4", "--fake-only")
+    keys = ("launches", "flops_by_precision", "collective_bytes_sent", "transfers", "pieces")
+    for e, s in zip(every["world_size"]["4"]["ranks"], shared["world_size"]["4"]["ranks"], strict=True):
+        assert {k: e[k] for k in keys} == {k: s[k] for k in keys}
+    assert any("same_count_as" in s for s in shared["world_size"]["4"]["ranks"])
+    assert len({r["flops_by_precision"]["triton:tf32"] for r in every["world_size"]["4"]["ranks"]}) > 1
