@@ -4,7 +4,8 @@ launches a step (torch.eye, a Python scalar in torch.where: a scalar_tensor fill
 import torch
 
 _KEPT = {}  # (name, shape, dtype, device, id(fake mode)) -> (fake mode, tensor)
-LIMIT = 64
+LIMIT = 64              # tensors kept at most; past it (or past LIMIT_BYTES) all are dropped and made again
+LIMIT_BYTES = 1 << 28   # 256 MiB: a stand-in pattern of GPT-2 XL's 6400 x 1600 is 41 MB
 
 
 def kept(name, shape, like, make):
@@ -21,10 +22,14 @@ def kept(name, shape, like, make):
         return hit[1]
     if torch.is_inference_mode_enabled() or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
         return make()
-    if len(_KEPT) >= LIMIT:
+    made = make()
+    size = made.numel() * made.element_size()
+    if size > LIMIT_BYTES:
+        return made
+    if len(_KEPT) >= LIMIT or size + sum(t.numel() * t.element_size() for _, t in _KEPT.values()) > LIMIT_BYTES:
         _KEPT.clear()
-    _KEPT[key] = (mode, make())  # the mode kept alive with it: its id is not reused
-    return _KEPT[key][1]
+    _KEPT[key] = (mode, made)  # the mode kept alive with it: its id is not reused
+    return made
 
 
 def eye(q, like):

@@ -465,3 +465,18 @@ def test_triton_without_cuda_or_interpreter_raises_instead_of_falling_back():
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "raised: kernel backend 'triton' needs CUDA tensors" in result.stdout
+
+
+def test_kept_constants_stay_within_their_byte_budget(monkeypatch):
+    # kernels.constants keeps a pattern per shape; past LIMIT_BYTES nothing more is kept
+    from kernels import constants
+    monkeypatch.setattr(constants, "LIMIT_BYTES", 1000)
+    monkeypatch.setattr(constants, "_KEPT", {})
+    like = torch.zeros(1)
+    big = constants.kept("big", (20, 20), like, lambda: torch.ones(20, 20))  # 1600 bytes: made each time
+    assert constants.kept("big", (20, 20), like, lambda: torch.ones(20, 20)).data_ptr() != big.data_ptr()
+    small = constants.kept("small", (10,), like, lambda: torch.ones(10))
+    assert constants.kept("small", (10,), like, lambda: torch.ones(10)).data_ptr() == small.data_ptr()
+    for n in range(20):  # 400 bytes each: the kept ones are dropped when the next would pass the budget
+        constants.kept("n", (n,), like, lambda: torch.ones(100))
+        assert sum(t.numel() * t.element_size() for _, t in constants._KEPT.values()) <= 1000
