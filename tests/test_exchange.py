@@ -73,7 +73,8 @@ def train(layout, overlap, mesh=None, trace=None):
              for i, p in enumerate(params)}
     return {"weights": [whole(p.detach()).clone() for p in params], "state": state, "stats": opt.stats(),
             "solved": solved, "local": [p.detach().to_local().clone() if placements else None for p in params],
-            "counts": dict(opt.exchange_counts)}
+            "counts": dict(opt.exchange_counts),
+            "steady": exchange.steady_received_bytes(opt) if placements else None}
 
 
 class Traced:
@@ -199,6 +200,15 @@ def test_with_overlap_a_buckets_return_travels_while_the_next_one_solves(runs, w
     for results in runs[world]:
         assert returns_in_flight_while_solving(results[layout, True]["trace"])
         assert not returns_in_flight_while_solving(results[layout, False]["trace"])
+
+
+@pytest.mark.parametrize("world,layout", [(2, "fsdp"), (3, "fsdp"), (4, "hsdp")])
+def test_the_bytes_received_are_those_the_shapes_give(runs, world, layout):
+    """exchange.steady_received_bytes (the trainer's comm_bytes_per_step): a warm step's bytes
+    received, out, back and (HSDP) the replica all-gather, counted by the step itself."""
+    for results in runs[world]:
+        run = results[layout, True]
+        assert run["counts"]["received"] == run["steady"] > 0
 
 
 def test_hsdp_solves_each_matrix_once_per_job_with_bitwise_equal_replicas(runs, alone):
