@@ -6,6 +6,7 @@
     python -m bench.cost_model --n-layer 2 --n-embd 64 --out /tmp/cost.json
     python -m bench.cost_model --fake --fsdp --model gpt2-xl --world-size 8   # + the sharded step's line
     python -m bench.cost_model --fake --fsdp --fsdp-shard-ranks 8 --model gpt2-xl --world-size 64   # HSDP 8 x 8
+    python -m bench.cost_model --fake --fsdp --model gpt2-xl --world-size 8 --exchange-bucket 67108864   # what if
 
 It builds the trainer's Muon groups exactly (train_gpt2.build_optimizers, --kernels torch, fp32
 on CPU) with the solver a GPU runs by default (its "auto" choices: polynomial clip, sync-free
@@ -113,6 +114,9 @@ def parse_args(argv=None):
     ap.add_argument("--fsdp-shard-ranks", type=int, default=None, metavar="S",
                     help="with --fsdp: HSDP, shard groups of S ranks, world size / S replicas (each world size "
                          "above 1 a multiple of S)")
+    ap.add_argument("--exchange-bucket", type=int, default=None, metavar="ELEMENTS",
+                    help="what if manifolds.exchange.EXCHANGE_BUCKET (elements of W per owner and bucket) were "
+                         "this: more buckets overlap more of the exchange and repeat the solver's per-bank launches")
     ap.add_argument("--assign", default="hetero", help="train_gpt2.py's --assign (not auto)")
     ap.add_argument("--world-size", type=int, nargs="+", default=[1, 8], help="world sizes to count")
     ap.add_argument("--solver-opt", action="append", default=[], metavar="KEY=VALUE",
@@ -147,6 +151,8 @@ def parse_args(argv=None):
         ap.error("--assign auto switches manifolds during training; give its base assignment instead")
     if any(n < 1 for n in args.world_size):
         ap.error("--world-size takes positive integers")
+    if args.exchange_bucket is not None and args.exchange_bucket < 1:
+        ap.error("--exchange-bucket takes a positive number of elements")
     if args.fsdp_shard_ranks is not None:
         if not args.fsdp:
             ap.error("--fsdp-shard-ranks needs --fsdp")
@@ -499,10 +505,24 @@ def main(argv=None):
     trainer_args(args)  # a bad --solver-opt is a UserError before anything is built
     print(f"ManifoldMuon step, {args.assign}, {args.n_layer} layers x n_embd {args.n_embd}, solver options "
           f"{' '.join(GPU_SOLVER_OPTS + tuple(args.solver_opt))}, solver precision {args.solver_precision}"
-          f"{', TF32 labels' if args.tf32 else ''}; code at {commit}{' + uncommitted changes' if dirty else ''}",
+          f"{', TF32 labels' if args.tf32 else ''}"
+          f"{f', exchange buckets of {args.exchange_bucket} elements (what if)' if args.exchange_bucket else ''}; code at {commit}{' + uncommitted changes' if dirty else ''}",
           flush=True)
-    with tf32_labels(args.tf32):
+    with tf32_labels(args.tf32), exchange_bucket(args.exchange_bucket):
         return count_and_report(args, out)
+
+
+@contextlib.contextmanager
+def exchange_bucket(elements):
+    """manifolds.exchange.EXCHANGE_BUCKET set to `elements` for the count (None: as it is)."""
+    from manifolds import exchange
+    saved = exchange.EXCHANGE_BUCKET
+    if elements is not None:
+        exchange.EXCHANGE_BUCKET = elements
+    try:
+        yield
+    finally:
+        exchange.EXCHANGE_BUCKET = saved
 
 
 @contextlib.contextmanager

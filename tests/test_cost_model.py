@@ -240,3 +240,15 @@ def test_ranks_owning_the_same_shapes_share_one_count(tmp_path):
         assert {k: e[k] for k in keys} == {k: s[k] for k in keys}
     assert any("same_count_as" in s for s in shared["world_size"]["4"]["ranks"])
     assert len({r["flops_by_precision"]["triton:tf32"] for r in every["world_size"]["4"]["ranks"]}) > 1
+
+
+def test_exchange_bucket_what_if_cuts_more_buckets_and_restores_the_setting(tmp_path):
+    from manifolds import exchange
+    before = exchange.EXCHANGE_BUCKET
+    _, default = _run(tmp_path, "default", "--world-size", "4", "--fake-only", "--fsdp")
+    _, small = _run(tmp_path, "small", "--world-size", "4", "--fake-only", "--fsdp", "--exchange-bucket", "4096")
+    assert exchange.EXCHANGE_BUCKET == before
+    assert default["sharded"]["4"]["buckets"] == 1 < small["sharded"]["4"]["buckets"]
+    # DDP's gathers follow the buckets: more collectives per rank, each overlapping what follows it
+    assert max(r["collectives"] for r in small["world_size"]["4"]["ranks"]) > \
+        max(r["collectives"] for r in default["world_size"]["4"]["ranks"])
