@@ -74,7 +74,14 @@ def train(layout, overlap, mesh=None, trace=None):
     return {"weights": [whole(p.detach()).clone() for p in params], "state": state, "stats": opt.stats(),
             "solved": solved, "local": [p.detach().to_local().clone() if placements else None for p in params],
             "counts": dict(opt.exchange_counts),
-            "steady": exchange.steady_received_bytes(opt) if placements else None}
+            "steady": exchange.steady_received_bytes(opt) if placements else None,
+            "held estimate": held_estimate(opt) if layout == "fsdp" else None}
+
+
+def held_estimate(opt):
+    """bench/memory.py's estimate of the most bytes of exchange buffers a warm step holds."""
+    from bench import memory
+    return memory.exchange_held(opt, dist.get_world_size(), dist.get_rank())
 
 
 class Traced:
@@ -209,6 +216,17 @@ def test_the_bytes_received_are_those_the_shapes_give(runs, world, layout):
     for results in runs[world]:
         run = results[layout, True]
         assert run["counts"]["received"] == run["steady"] > 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_buffers_held_are_those_bench_memory_estimates(runs, world):
+    """counts["held"] (the most bytes of exchange buffers held at once in a warm step, the next
+    bucket's out exchange and the previous bucket's return in flight with overlap) equals
+    bench/memory.py's exchange_held from the shapes, overlap on and off."""
+    for results in runs[world]:
+        for overlap in (True, False):
+            run = results["fsdp", overlap]
+            assert run["counts"]["held"] == run["held estimate"] > 0, (overlap, run["counts"])
 
 
 def test_hsdp_solves_each_matrix_once_per_job_with_bitwise_equal_replicas(runs, alone):
