@@ -19,7 +19,8 @@ resident copies of the whole W and warm start of each piece a rank owns, manifol
     transients): two blocks' gathered parameters (the one computing and the one prefetched, bf16 as
     on a GPU) and one block's unsharded fp32 gradients, and the optimizer exchange of the largest
     bucket (exchange.EXCHANGE_BUCKET) at its most loaded owner: what it receives, the assembled whole
-    matrices, what it sends and receives back, and the next bucket's out exchange in flight
+    matrices, what it sends and receives back, and the next bucket's out exchange and the previous
+    bucket's return in flight
     (exchange_held; a one-step --live run measures the same buffers: equal). With gradient accumulation (the
     trainer's total batch of 64 sequences, 8 per rank: 8 micro-steps on 1 rank, 1 on 8) and
     --fsdp-grad-sync last, the whole model's unsharded fp32 gradients wait on every rank for the
