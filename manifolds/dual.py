@@ -601,6 +601,9 @@ def online_full(W, G, geo, correction, plan):
 def online_direction(W, G, geo, correction, plan):
     """(B, d2, correction, residual, iterations) of online_full before finalize_banks (B is
     tangent: finalize need not project it)."""
+    if plan.options.scheme == "newton" and not geo.secant_dual:
+        from manifolds.newton import newton_direction  # damped Newton on the multiplier, in q x q
+        return newton_direction(W, G, geo, correction, plan)
     d2 = geo.squared_norms(W)
     with kernels.tf32_products(plan.tf32):
         B, correction, residual, iterations = online_iterations(FullProblem(W, geo, d2, plan.backend), G,
@@ -690,7 +693,7 @@ def finalize_banks(banks, plan, project=True):
 
 def scheme_solver(plan):
     """The solver of one constrained bank under the plan's scheme (the same signature)."""
-    return online_full if plan.options.scheme == "online" else admm
+    return online_full if plan.options.scheme in ("online", "newton") else admm
 
 
 def solve_tall(W, G, geo, state, plan):
@@ -720,7 +723,7 @@ def solve_tall_banks(banks, plan):
     """
     # every bank's G on one scale (exact): gradients near fp32's range ends step as any other
     banks = [(W, exact_rescale(G), geo, state) for W, G, geo, state in banks]
-    if plan.options.scheme == "online":
+    if plan.options.scheme in ("online", "newton"):
         return online_banks(banks, plan)
     solutions = [None] * len(banks)
     stacks = {}
