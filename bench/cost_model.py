@@ -37,7 +37,7 @@ it reports so and counts a real run instead (unless --fake-only).
 
 --fsdp ends with one line per world size N > 1 for the sharded step (manifolds/exchange.py):
 `sharded: bucket balance B, bytes per rank G GB, optimizer R of forward+backward`, B the worst
-exchange bucket's most loaded owner over its mean (exchange.bucket_balance, work.piece_cost), G
+exchange bucket's most loaded owner over its mean (exchange.bucket_balance, step_cost.piece_cost), G
 what a rank receives per step (bench/sharded_bytes.py's count), R an ESTIMATE: the counted ranks'
 compute summed, spread over the buckets as their owners carry it (each bucket waits for its most
 loaded owner), and the exchange's bytes at the same link bandwidth, each bucket's out and back

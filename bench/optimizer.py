@@ -18,7 +18,7 @@ from step to step. With --quality it also measures, for one matrix per bank, the
 quality <G/|G|, A>/||A||_op as a fraction of a certified float64 optimum (manifolds/optimum.py)
 of the last step (ours: warm-started along the gradient sequence, as timed, and cold), the
 tangent residual and the manifold violation after the step. A FLOP model of both algorithms
-for GPT-2 small is printed too (`flop_model`: ours from manifolds/work.py, the description of
+for GPT-2 small is printed too (`flop_model`: ours from manifolds/step_cost.py, the description of
 the work that rank balancing splits by; the published algorithm's from bench/published.py).
 """
 import argparse
@@ -32,10 +32,10 @@ from bench.results import Results
 from bench.published import PUBLISHED, published_direction, published_flops, published_step
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
 from manifolds.assignment import parse_assignment
-from manifolds.dual import solve_tall
+from manifolds.solver import solve_tall
 from manifolds.geometry import MANIFOLDS, geometry
 from manifolds.plan import SolverOptions, plan_for
-from manifolds.work import matrix_work
+from manifolds.step_cost import matrix_work
 
 
 def muon_shapes(n_embd, n_layer):
@@ -177,7 +177,7 @@ def quality_report(banks, args):
 def flop_model(n_embd, n_layer, assignment, plan):
     """(published FLOPs, {term: our FLOPs}) of the constrained matrices' direction and retraction
     in one warm-started step (every step but the first) of a GPT-2 of this shape: ours the sum of
-    manifolds.work.matrix_work over its matrices under `plan` (x 2: FLOPs per multiply-add), the
+    manifolds.step_cost.matrix_work over its matrices under `plan` (x 2: FLOPs per multiply-add), the
     one description of the work that rank balancing splits by; the published algorithm's from
     bench/published.py. Unconstrained matrices are left out of both (plain Muon either way)."""
     published, ours = 0, {}

@@ -24,7 +24,7 @@ import torch
 
 from bench.optimizer import momentum_like
 from manifolds import project_to_manifold, steepest_direction
-from manifolds.dual import solve_tall
+from manifolds.solver import solve_tall
 from manifolds.geometry import geometry
 from manifolds.optimum import optimum, quality
 from manifolds.plan import SCHEMES, SolverOptions, plan_for

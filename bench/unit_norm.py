@@ -13,7 +13,7 @@ import time
 import torch
 
 from manifolds import project_to_manifold, steepest_direction
-from manifolds.dual import solve_tall_banks
+from manifolds.solver import solve_tall_banks
 from manifolds.geometry import geometry
 from manifolds.optimum import random_point
 from manifolds.plan import SolverOptions, plan_for

@@ -17,7 +17,7 @@ the previous steps left (Polar Express):
   around 1; a few Newton-Schulz steps (a, b, c) = (1.5, -0.5, 0) then polish them to 1 with
   quadratic convergence. The polish is what makes a result fp32-accurate.
 - CLIP_SCHEDULE, for inputs whose singular values, after the normalisation, are >= CLIP_LOWER =
-  0.02 (the spectral clip's two signs in ADMM, manifolds/dual.py): five steps take [0.02, 1] to
+  0.02 (the spectral clip's two signs in ADMM, manifolds/solver.py): five steps take [0.02, 1] to
   within 2e-8 of 1 where POLAR_EXPRESS and its polish spend seven on a range they do not need.
   Smaller singular values are not lost, only left short of 1 (each step multiplies them by its
   a; one at 0.01 ends at 0.988). `minimax_schedule` computes such schedules;
@@ -61,7 +61,7 @@ CLIP_SCHEDULE = (
     (1.879979506869, -1.250903825199, 0.371015575562),
     (1.870331429834, -1.240677279642, 0.370345855238),
 )
-# minimax_schedule(POLAR_LOWER, 6, SCHEDULE_SAFETY): ADMM's starting polar factor (dual.polar),
+# minimax_schedule(POLAR_LOWER, 6, SCHEDULE_SAFETY): ADMM's starting polar factor (solver.polar),
 # from Y's singular values in [0.005, 1] after the normalisation; after step k they lie within
 # 0.959, 0.840, 0.502, 0.086, 4.3e-4, 1.6e-8 of 1 (Polar Express + polish: 7 steps)
 POLAR_LOWER = 0.005
@@ -74,7 +74,7 @@ POLAR_SCHEDULE = (
     (1.870331174890, -1.240677636323, 0.370346462536),
 )
 # minimax_schedule(EXACT_LOWER, 7, SCHEDULE_SAFETY): square Stiefel's exact step
-# (manifolds/dual.exact_square_stiefel), whose skew(W^T G) keeps singular values down to ~1e-3 of its bound
+# (manifolds/solver.exact_square_stiefel), whose skew(W^T G) keeps singular values down to ~1e-3 of its bound
 # on real momenta; all 7 steps run at TF32 there (the last still lifts those below 1e-3); after
 # step k [0.001, 1] lies within 0.992, 0.965, 0.861, 0.55, 0.117, 1.1e-3, 2.9e-8 of 1
 EXACT_LOWER = 0.001

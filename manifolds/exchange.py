@@ -45,11 +45,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from manifolds import work
-from manifolds.dual import STAT_FIELDS, STATS
+from manifolds import step_cost
+from manifolds.solver import STAT_FIELDS, STATS
 from manifolds.sharded import (digest, dual_rows, is_sharded, keeps_warm_start, local, piece_box,
                                piece_parts, shard_layout, warm_shape, wire_bytes)
-from manifolds.work import piece_cost
+from manifolds.step_cost import piece_cost
 
 # The exchange goes in buckets of pieces, each at most this many elements of W per owner (or one
 # piece): what an owner holds at once (W, G and Lambda received, the same assembled, the new W and
@@ -100,13 +100,13 @@ def buckets(banks, ranks):
 
 
 def balanced(pieces, plan, ranks):
-    owners = work.balanced_owners([piece_cost(piece, plan) for piece in pieces], ranks)
+    owners = step_cost.balanced_owners([piece_cost(piece, plan) for piece in pieces], ranks)
     return {piece.key: rank for piece, rank in zip(pieces, owners)}
 
 
 def bucket_owners(bucketed, plan, ranks):
     """{piece.key: rank}: each bucket's pieces balanced over the ranks by their cost
-    (work.balanced_owners, longest first), bucket by bucket, so that no bucket waits on one
+    (step_cost.balanced_owners, longest first), bucket by bucket, so that no bucket waits on one
     owner while others idle."""
     owners = {}
     for bucket in bucketed:
@@ -115,7 +115,7 @@ def bucket_owners(bucketed, plan, ranks):
 
 
 def bucket_loads(bucketed, owners, plan, ranks):
-    """[[work.piece_cost owned by each rank] for each bucket]."""
+    """[[step_cost.piece_cost owned by each rank] for each bucket]."""
     loads = []
     for bucket in bucketed:
         loads.append([0] * ranks)
@@ -127,7 +127,7 @@ def bucket_loads(bucketed, owners, plan, ranks):
 
 def bucket_balance(bucketed, owners, plan, ranks):
     """The worst bucket's most loaded owner over its mean load (1 = every bucket balanced exactly),
-    by work.piece_cost."""
+    by step_cost.piece_cost."""
     return max([1.0] + [max(load) * ranks / sum(load) for load in bucket_loads(bucketed, owners, plan, ranks)
                         if sum(load)])
 

@@ -90,18 +90,18 @@ class Manifold:
     kernel_name = None     # P as the fused kernels apply it ("stiefel", "dgram", "none"), or None: a mask
     orthogonal_columns = False  # W^T W diagonal on the manifold: the span reduction (span.py) applies
     constrained = True     # False: no constraint, plain Muon (msign step, weight decay, no retraction)
-    exact_square_step = False  # square matrices: the steepest direction in closed form (dual.exact_square_stiefel)
-    has_boundary = False   # a set with a boundary: the tangent cone by an active set (dual.solve_capped)
+    exact_square_step = False  # square matrices: the steepest direction in closed form (solver.exact_square_stiefel)
+    has_boundary = False   # a set with a boundary: the tangent cone by an active set (solver.solve_capped)
     # QK-Clip (training/qk_clip.py): which rescaling of a q or k matrix stays on the manifold:
     # "rows" (any: per-head rows), "matrix" (only c W, one factor for the whole matrix) or None
     qk_clip_scaling = None
     column_norm_diagnostics = False  # the trainer's diagnostics report its column norms (they move)
-    # the online scheme (dual.online_iterations): dual steps per training step, and whether its
+    # the online scheme (solver.online_iterations): dual steps per training step, and whether its
     # multiplier is one number per matrix (then the steps after the first are secant steps)
     online_steps = 1
     secant_dual = False
     online_dual_option = "dual_step"  # the SolverOptions field holding its dual step (0: no dual, C stays 0)
-    polar_retraction = True  # its retraction takes a polar factor (rank balancing prices it: manifolds/work.py)
+    polar_retraction = True  # its retraction takes a polar factor (rank balancing prices it: manifolds/step_cost.py)
     # its set has a size of its own, fixed when a matrix is put on it (the Hyperball's radius): the
     # optimizer keeps it in its state and passes it to retract_from and violation as `radius`
     stores_radius = False

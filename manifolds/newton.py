@@ -195,7 +195,7 @@ def newton_step(model, Lam, cg_steps, damping, schedule=POLAR_SCHEDULE, kappa=0.
     return Lam + V, F, N
 
 
-# --- the bank: what dual.online_direction runs under scheme "newton" ---------------------------
+# --- the bank: what solver.online_direction runs under scheme "newton" ---------------------------
 
 NEWTON_WARM = 2     # Newton steps from the previous step's multiplier
 NEWTON_COLD = 6     # ... from the Euclidean projection's (the first step, steepest_direction)
@@ -216,14 +216,14 @@ def bank_model(W, G, geo, d2, backend):
 
 
 def newton_direction(W, G, geo, correction, plan, warm_steps=None, cold_steps=None):
-    """(B, d2, correction, residual, iterations) as dual.online_direction returns them, the
+    """(B, d2, correction, residual, iterations) as solver.online_direction returns them, the
     multiplier by damped Newton steps in q x q (module docstring). G: unit Frobenius norm.
 
-    The correction kept across steps is dual.py's: C = Lambda - Lambda0 with Lambda0 = -M0 / 2
+    The correction kept across steps is solver.py's: C = Lambda - Lambda0 with Lambda0 = -M0 / 2
     (the online scheme's and ADMM's warm starts mean the same). The answer is
     B = X N - W M with M = F / (d_i^2 + d_j^2) the exact tangent projection of A = X N (geometry.py's
     identity, in q x q), formed as G N + W (2 Lambda N - M): two tall products."""
-    from manifolds.dual import bounded_correction, relative_residual, silence, tangent_signal
+    from manifolds.solver import bounded_correction, relative_residual, silence, tangent_signal
     import kernels
     if W.dtype in (torch.bfloat16, torch.float16):
         # the Gram squares X's condition: its iterations need fp32 whatever the weights' dtype

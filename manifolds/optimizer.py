@@ -29,13 +29,13 @@ gives `"blocks": [(row_lo, row_hi, manifold), ...]` (the fused QKV matrix as thr
 matrices, each on its own manifold). Pieces with the same manifold, shape and group options
 form a *bank*, across groups, and are stacked into one batched computation; the learning
 rate and weight decay may differ inside a bank (they enter per matrix). All banks are solved in
-one call (dual.solve_tall_banks) under the optimizer's one SolverPlan (manifolds/plan.py),
+one call (solver.solve_tall_banks) under the optimizer's one SolverPlan (manifolds/plan.py),
 decided when the optimizer is built (`plan`): the tall Stiefel and DGram banks of one column
 count are ONE batched ADMM in span coordinates, whatever their rows.
 
 Under torch.distributed every piece is computed by one rank, its *owner*: the pieces are cut
 into buckets and each bucket's balanced over the ranks by an estimate of their cost
-(work.piece_cost, `balanced_owners`: longest first onto the least loaded rank), the same on every
+(step_cost.piece_cost, `balanced_owners`: longest first onto the least loaded rank), the same on every
 rank without communication (manifolds/exchange.py, which owns the owners, the buckets, the
 collectives and the solver's statistics; the optimizer hands it `_step_banks` and what it needs
 of its state). A rank solves its pieces of a bank together, as one batched solve. The new weights
@@ -60,7 +60,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adamw import adamw
 
 from manifolds import exchange, plan_check, reference
-from manifolds.dual import STATS, solve_tall_banks
+from manifolds.solver import STATS, solve_tall_banks
 from manifolds.exchange import Exchange, Replicated, StepInputs, plan_group
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
 from manifolds.plan import SolverOptions, plan_for
@@ -663,7 +663,7 @@ class ManifoldMuon(torch.optim.Optimizer):
     def stats(self):
         """{bank: {"iterations": int, "residual": float, "fallbacks": int}} of the last step:
         iterations and residual the largest over the bank's matrices, fallbacks the number of
-        them that took the sync-free precision fallback (dual.admm_in_span: Proj_T(G) instead
+        them that took the sync-free precision fallback (solver.admm_in_span: Proj_T(G) instead
         of the steepest direction), under torch.distributed over every rank's share."""
         return {name: {"iterations": int(s["iterations"]), "residual": float(s["residual"]),
                        "fallbacks": int(s.get("fallbacks", 0))}

@@ -41,7 +41,7 @@ class SolverOptions:
     scheme: str = "online"     # online: one dual step per training step; admm: ADMM to the budget below
     dual_step: float = 0.25    # online: the dual step, as a fraction of its Newton estimate
     stiefel_dual_step: float = 0.25  # online: the same for (non-square) Stiefel matrices; 0: no dual step
-    sharpen: bool = True       # online: a Newton-Schulz step on the answer's singular values (dual.FullProblem.sharpened)
+    sharpen: bool = True       # online: a Newton-Schulz step on the answer's singular values (solver.FullProblem.sharpened)
     iterations: int = 3        # ADMM iterations from a warm start; x2 cold, x2 again for rows < 2 cols
     pullbacks: int = 2         # rounds of B <- Proj_T(pull_back(B)) on ADMM's answer
     rho: float = 0.5           # ADMM penalty from a cold start, relative to ||Proj_T G||_op
@@ -170,7 +170,7 @@ class SolverPlan:
     clip_steps: int      # CLIP_SCHEDULE steps of the clip's and pullbacks' signs (one fewer below fp32:
                          # the last reaches an accuracy such products cannot hold)
     polar_steps: int     # POLAR_SCHEDULE steps of ADMM's starting polar factor (all, at every precision)
-                         # and of the online scheme's sign (one fewer where it sharpens: dual.online_sign_steps)
+                         # and of the online scheme's sign (one fewer where it sharpens: solver.online_sign_steps)
     exact_sign: tuple    # square Stiefel's msign: ("minimax", 7) at TF32, else ("polar-express", 5 + 2)
     grad_wire: str = "float32"  # the sharded exchange's dtype for G ("bfloat16": exchange_grad bf16)
 

@@ -4,7 +4,7 @@ G its momentum, A the step direction, P the Gram projector, Lambda the dual, R t
 One matrix at a time, exact SVDs, ADMM run to convergence, the input's dtype throughout: nothing here is fast, and it can train. `ManifoldMuon(..., solver="reference")` (the
 trainer's --solver-opt solver=reference) steps every matrix with `manifold_muon_step_reference`:
 the same momentum, Nesterov, lr, weight decay and retraction as the fast path
-(manifolds.dual, kernels/), which is tested against it, and it against the certified float64
+(manifolds.solver, kernels/), which is tested against it, and it against the certified float64
 optimum (manifolds/optimum.py), in tests/test_reference.py.
 
 A manifold is any registered one (manifolds.geometry.MANIFOLDS, or a Manifold object): what is

@@ -80,7 +80,7 @@ def shard_layout(p):
 
 
 def keeps_warm_start(piece, options):
-    """Whether the solver leaves a dual warm start for this piece (dual.solve_tall): ADMM does;
+    """Whether the solver leaves a dual warm start for this piece (solver.solve_tall): ADMM does;
     plain Muon, the exact square Stiefel step and the reference solver do not."""
     geo = geometry(piece.manifold, piece.group.get("dgram_cap", 1.0))
     rows, cols = piece.hi - piece.lo, piece.param.size(1)

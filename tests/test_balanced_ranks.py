@@ -9,8 +9,8 @@ import torch.multiprocessing as mp
 
 from gloo_ranks import end_rank_process
 from manifolds import ManifoldMuon, project_to_manifold
-from manifolds.work import balanced_owners
-from manifolds.work import piece_cost
+from manifolds.step_cost import balanced_owners
+from manifolds.step_cost import piece_cost
 
 LAYOUTS = {  # {module key: manifold or qkv blocks} as train_gpt2's --assign presets give them
     "hetero": {"attn.qkv": "stiefel", "attn.proj": "stiefel", "mlp.fc": "dgram", "mlp.proj": "dgram"},

@@ -5,7 +5,7 @@ import torch
 from bench.op_count import HostReads
 from manifolds.step_graph import NotCapturable, Recorded
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
-from manifolds.dual import admm_full, solve_tall, unit
+from manifolds.solver import admm_full, solve_tall, unit
 from manifolds.geometry import geometry
 from manifolds.plan import SolverOptions, plan_for
 from manifolds.optimum import optimum, quality, random_point
@@ -165,7 +165,7 @@ def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_595_ops_and_sync_
     kernels, syncs = sum(counter.kernels.values()), sum(counter.syncs.values())
     assert syncs == 0
     assert sum(counter.literals.values()) == 0  # no host-to-device copies of lr lists (pageable: they block)
-    # 581 here (714 before dual.finite, kernels.constants and the fused signal tests); 2,137 before the stacked banks
+    # 581 here (714 before solver.finite, kernels.constants and the fused signal tests); 2,137 before the stacked banks
     assert kernels <= 595, counter.kernels.most_common(10)
 
 
@@ -270,14 +270,14 @@ def test_each_host_read_is_counted_once_and_the_graph_emulation_refuses_it(read)
 def test_a_tolist_moved_into_the_capturable_step_is_reported(monkeypatch):
     # the same warm capturable step as above, with a host read slipped into the solver's masked
     # update (a typical place for a "just check it" debugging line)
-    import manifolds.dual
-    masked_update = manifolds.dual.masked_update
+    import manifolds.solver
+    masked_update = manifolds.solver.masked_update
 
     def reading(active, old, new):
         active.tolist()
         return masked_update(active, old, new)
 
-    monkeypatch.setattr(manifolds.dual, "masked_update", reading)
+    monkeypatch.setattr(manifolds.solver, "masked_update", reading)
     assert run_steps(True, steps=2, count_last=True)[2] > 0
     groups = hetero_bank()
     opt = ManifoldMuon(groups, lr=0.05, scheme="admm", capturable=True)

@@ -10,7 +10,7 @@ import torch
 import train_gpt2
 from bench.optimizer import momentum_like
 from manifolds import ManifoldMuon, manifold_param_groups
-from manifolds.dual import solve_tall
+from manifolds.solver import solve_tall
 from manifolds.geometry import geometry
 from manifolds.optimum import optimum, quality, random_point
 from manifolds.plan import SolverOptions, plan_for

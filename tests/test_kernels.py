@@ -161,7 +161,7 @@ def tf32_top_singular_value(schedule, steps, seeds):
 
 def test_minimax_schedules_stay_stable_at_tf32():
     # as they run under tf32 iterations: the clip's signs one step short (plan.clip_steps), the polar
-    # factor all 6 (dual.polar), square Stiefel's exact step all 7 (dual.exact_square_stiefel)
+    # factor all 6 (solver.polar), square Stiefel's exact step all 7 (solver.exact_square_stiefel)
     ms = kernels.matrix_sign
     seeds = range(24)
     for schedule, steps in ((ms.CLIP_SCHEDULE, 4), (ms.POLAR_SCHEDULE, 6), (ms.EXACT_SCHEDULE, 7)):

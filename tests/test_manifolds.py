@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
-from manifolds.dual import SolverOptions, solve_tall
+from manifolds.solver import SolverOptions, solve_tall
 from manifolds.geometry import MANIFOLDS, geometry
 from manifolds.plan import plan_for
 from manifolds.optimum import optimum, quality, random_point
@@ -333,21 +333,21 @@ def test_tall_banks_survive_a_nearly_rank_deficient_momentum(manifold):
 
 
 def test_finite_is_isfinite_and_constant_patterns_are_made_once_per_mode():
-    # dual.finite: isfinite's answer in 2 launches (x * 0 == 0), -0, huge and subnormal values included
+    # solver.finite: isfinite's answer in 2 launches (x * 0 == 0), -0, huge and subnormal values included
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from manifolds import dual
+    from manifolds import solver
     x = torch.tensor([0.0, -0.0, 3e38, -3.0, float("inf"), -float("inf"), float("nan"), 1e-45])
-    assert torch.equal(dual.finite(x), torch.isfinite(x))
-    assert torch.equal(dual.finite(x, x.flip(0)), torch.isfinite(x) & torch.isfinite(x.flip(0)))
+    assert torch.equal(solver.finite(x), torch.isfinite(x))
+    assert torch.equal(solver.finite(x, x.flip(0)), torch.isfinite(x) & torch.isfinite(x.flip(0)))
     # the stand-in is built once per shape (a kept tensor, the same values), and a fake tensor is
     # kept for its own fake mode only
     G = torch.randn(2, 12, 8)
-    a, b = dual.stand_in(G), dual.stand_in(G)
+    a, b = solver.stand_in(G), solver.stand_in(G)
     assert a.data_ptr() == b.data_ptr() and a.shape == G.shape
-    assert torch.equal(a[1], dual.stand_in_pattern(12, 8, G.dtype, G.device))
+    assert torch.equal(a[1], solver.stand_in_pattern(12, 8, G.dtype, G.device))
     with FakeTensorMode() as mode:
-        fake = dual.stand_in(mode.from_tensor(G))
-    assert isinstance(fake, FakeTensor) and not isinstance(dual.stand_in(G), FakeTensor)
+        fake = solver.stand_in(mode.from_tensor(G))
+    assert isinstance(fake, FakeTensor) and not isinstance(solver.stand_in(G), FakeTensor)
     # kernels.constants: an identity kept per size, dtype and device; under inference mode one kept
     # is read, none is stored
     from kernels.constants import eye

@@ -6,7 +6,7 @@ import manifolds.newton as newton
 from bench.op_count import HostReads
 from bench.optimizer import momentum_like
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
-from manifolds.dual import solve_tall
+from manifolds.solver import solve_tall
 from manifolds.geometry import geometry
 from manifolds.newton import GramModel, inverse_sqrt, inverse_sqrt_jvp, jacobian_product
 from manifolds.optimum import optimum, quality

@@ -9,7 +9,7 @@ import torch
 
 import train_gpt2
 from manifolds import ManifoldMuon, project_to_manifold, steepest_direction
-from manifolds.dual import finalize_banks, solve_tall_banks
+from manifolds.solver import finalize_banks, solve_tall_banks
 from manifolds.geometry import geometry
 from manifolds.optimum import optimum, quality, random_point
 from manifolds.plan import SolverOptions, plan_for
@@ -18,7 +18,7 @@ from training.qk_clip import QKClip
 
 FLOWS = {"cpu": {}, "gpu": {"clip": "polynomial", "capturable": True}}
 # the GPU's flow with its products at TF32 (emulated on the CPU), where the no-signal threshold is
-# looser (dual.SIGNAL_TOL): checked by the no-motion test only
+# looser (solver.SIGNAL_TOL): checked by the no-motion test only
 TF32_FLOW = {"gpu-tf32": {"clip": "polynomial", "capturable": True, "precision": "tf32"}}
 # (manifold, shape): tall, wide, square and near-square where the solver takes another path
 CASES = [("stiefel", (24, 72)), ("stiefel", (32, 32)), ("dgram", (96, 32)),
@@ -208,7 +208,7 @@ def test_the_hyperball_keeps_the_better_answer_on_a_rank_deficient_gradient(flow
 def test_gradients_at_the_ends_of_fp32s_range_step_as_at_scale_one(scheme, flow):
     """Muon's step ignores G's scale, so gradients scaled by 2^-100 (squares underflow to 0 in
     fp32) or 2^120 (squares overflow to inf) give the bits that scale 1 gives (a power of two
-    scales exactly; dual.exact_rescale). Before, both read as no signal or lost digits: W stayed
+    scales exactly; solver.exact_rescale). Before, both read as no signal or lost digits: W stayed
     put at 2^120 on every manifold, plain Muon included, and moved 1e-4 off at 2^-100."""
     for manifold, shape in CASES + [("none", (24, 72))]:
         weights = {}

@@ -22,7 +22,7 @@ WORKER = textwrap.dedent('''
     if mode != "replicated":
         from torch.distributed import fsdp as _fsdp, tensor as _tensor  # noqa: F401 (before the group)
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
-    import manifolds.work as work_module
+    import manifolds.step_cost as work_module
     from manifolds import ManifoldMuon, manifold_param_groups
     from manifolds.plan_check import PlanMismatch
     from model import GPT, GPTConfig

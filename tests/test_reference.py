@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from manifolds import ManifoldMuon, manifold_violation, project_to_manifold, steepest_direction
-from manifolds.dual import solve_tall, solve_tall_banks
+from manifolds.solver import solve_tall, solve_tall_banks
 from manifolds.geometry import geometry
 from manifolds.plan import SolverOptions, plan_for
 from manifolds.optimum import optimum, quality, random_point
@@ -90,7 +90,7 @@ NEAR_SQUARE = [(48, 32), (40, 32), (33, 32), (32, 48)]
 ADMM = {"scheme": "admm"}
 PLANS = {"cpu": ADMM, "gpu-control-flow": dict(ADMM, capturable=True, clip="polynomial"),
          "online": dict(scheme="online", capturable=True, clip="polynomial")}
-# ||A||_op is divided by an upper bound (dual.finalize_banks): at most 1 (+ rounding), and the bound's
+# ||A||_op is divided by an upper bound (solver.finalize_banks): at most 1 (+ rounding), and the bound's
 # slack (its measured largest, 5e-4) must not shorten the step much either
 UNIT = (1 - 2e-3, 1 + 1e-3)
 
@@ -308,7 +308,7 @@ def test_sharpened_is_a_newton_schulz_step_on_the_answer_then_its_projection(man
     # FullProblem.sharpened works in q x q (S = W^T A, M = multiplier(A), A^T A = I for a polar
     # factor A) but for one product; its definition on the full matrices, in float64:
     # B = A - W M, B' = B (1.5 I - 0.5 B^T B), answer Proj_T(B')
-    from manifolds.dual import FullProblem
+    from manifolds.solver import FullProblem
     from manifolds.reference import msign as exact_msign
     W, G = (t.double() for t in random_point((80, 24), manifold, seed=7))
     W = project_to_manifold(W, manifold)  # W^T W diagonal to float64 rounding, as the formula assumes

@@ -3,7 +3,7 @@ eigh and polynomial spectral clips, and the warm-started ADMM."""
 import pytest
 import torch
 
-from manifolds.dual import admm_iterations, solve_tall, spectral_clip
+from manifolds.solver import admm_iterations, solve_tall, spectral_clip
 from manifolds.geometry import geometry
 from manifolds.optimum import optimum, quality, random_point
 from manifolds.plan import SolverOptions, plan_for
@@ -144,7 +144,7 @@ def test_reduced_and_full_admm_agree():
 def test_pull_back_lowers_the_singular_values_above_one_and_keeps_the_rest(clip):
     # polynomial: s -> s (3 - s^2) / 2 above 1 (a Newton-Schulz step on the excess), s below 1
     # unchanged; eigh: the exact clip min(s, 1). Directions away from 1 are checked one by one.
-    from manifolds.dual import pull_back
+    from manifolds.solver import pull_back
     g = torch.Generator().manual_seed(7)
     U = torch.linalg.qr(torch.randn(2, 64, 32, generator=g, dtype=torch.float64))[0]
     V = torch.linalg.qr(torch.randn(2, 32, 32, generator=g, dtype=torch.float64))[0]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from manifolds import span
-from manifolds.dual import SolverOptions, solve_tall, solve_tall_banks
+from manifolds.solver import SolverOptions, solve_tall, solve_tall_banks
 from manifolds.geometry import DGramCap, MaskedGram, diagonal_mask, geometry
 from manifolds.optimum import random_point
 from manifolds.plan import plan_for
@@ -125,7 +125,7 @@ def test_capturable_banks_run_their_whole_budget_and_syncing_ones_may_stop_early
     # a budget long enough for the convergence check to stop the syncing path (3 / 6 never does
     # here); the sync-free path has no check (a host read): every ADMM bank, alone or stacked,
     # runs admm_budget iterations; the syncing stack stops with its slowest bank
-    from manifolds.dual import admm_budget
+    from manifolds.solver import admm_budget
     plan = plan_for(SolverOptions(scheme="admm", capturable=capturable, iterations=30), "cpu")
     problems = [(W, G, geo) for W, G, geo in banks() if W.size(-2) != W.size(-1)]  # square Stiefel: no ADMM
     alone = [solve_tall(W, G, geo, None, plan) for W, G, geo in problems]

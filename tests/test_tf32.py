@@ -9,7 +9,7 @@ import kernels
 from kernels import products_torch
 from kernels.matrix_sign import CLIP_SCHEDULE, EXACT_SCHEDULE
 from kernels.precision import round_to_tf32, tf32_active, tf32_products
-from manifolds.dual import solve_tall
+from manifolds.solver import solve_tall
 from manifolds.geometry import geometry
 from manifolds.optimum import random_point
 from manifolds.plan import EXACT_PE_STEPS, SolverOptions, plan_for
@@ -85,7 +85,7 @@ def test_tf32_iterations_end_in_an_fp32_feasible_direction(manifold):
 
 def test_square_stiefel_exact_step_at_tf32_is_the_fp32_answer():
     # square Stiefel's exact step W msign(skew(W^T G)) runs its matrix sign at TF32 under tf32
-    # iterations (dual.exact_square_stiefel, EXACT_SCHEDULE): fp32-tangent, unit, and the fp32
+    # iterations (solver.exact_square_stiefel, EXACT_SCHEDULE): fp32-tangent, unit, and the fp32
     # path's objective; a momentum-like gradient has the small singular values the [0.001, 1]
     # schedule is for
     from bench.optimizer import momentum_like
@@ -97,7 +97,7 @@ def test_square_stiefel_exact_step_at_tf32_is_the_fp32_answer():
         precision=precision, capturable=True)).A[0].double()
     A, exact = solve("tf32"), solve("fp32")
     assert geometry("stiefel").tangent_residual(W[0].double(), A).abs().max() <= 1e-6
-    # both divided by a bound on their norm (dual.finalize_banks), whose slack differs a little
+    # both divided by a bound on their norm (solver.finalize_banks), whose slack differs a little
     # (here 4e-4 in fp32, 7e-4 from the TF32 Gram): the objective is compared per unit norm
     norm, exact_norm = torch.linalg.matrix_norm(A, 2), torch.linalg.matrix_norm(exact, 2)
     assert 1 - 1e-3 <= norm <= 1 + 1e-4 and 1 - 1e-3 <= exact_norm <= 1 + 1e-4
@@ -124,13 +124,13 @@ def with_singular_values(s, seed):
 
 def test_admm_starting_polar_factor_runs_in_bf16_under_tf32(monkeypatch):
     # ADMM's starting Z is only a starting point: under tf32 iterations its matrix sign runs in
-    # bf16 (dual.polar), stable with the safe minimax schedule, and comes back as fp32
-    import manifolds.dual as dual
+    # bf16 (solver.polar), stable with the safe minimax schedule, and comes back as fp32
+    import manifolds.solver as solver
     seen = record_msign_dtypes(monkeypatch)
     Y = torch.randn(2, 96, 32, generator=torch.Generator().manual_seed(0))
     for precision, dtype in (("tf32", torch.bfloat16), ("fp32", torch.float32)):
         seen.clear()
-        Z = dual.polar(Y, cpu_plan(precision=precision, clip="polynomial"))
+        Z = solver.polar(Y, cpu_plan(precision=precision, clip="polynomial"))
         assert seen == [dtype] and Z.dtype == torch.float32
         U, _, Vh = torch.linalg.svd(Y.double(), full_matrices=False)
         assert (Z.double() - U @ Vh).abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-4)
@@ -140,14 +140,14 @@ def test_spectral_clip_takes_both_signs_in_bf16_under_tf32(monkeypatch):
     # under tf32 iterations the clip's msign(Y) and its q x q sign(P - I) run in bf16 (the
     # pullbacks and the final projection absorb their rounding); the clip still caps Y's
     # singular values at 1, to bf16's accuracy, and keeps those below
-    import manifolds.dual as dual
+    import manifolds.solver as solver
     seen = record_msign_dtypes(monkeypatch)
     s = torch.linspace(0.1, 3.0, 32, dtype=torch.float64)
     U, V, Y = with_singular_values(s, seed=0)
     expected = (U * s.clamp_max(1.0)) @ V.mT
     for precision, dtypes in (("tf32", [torch.bfloat16] * 2), ("fp32", [torch.float32] * 2)):
         seen.clear()
-        Z = dual.spectral_clip(Y, cpu_plan(precision=precision, clip="polynomial"))
+        Z = solver.spectral_clip(Y, cpu_plan(precision=precision, clip="polynomial"))
         assert seen == dtypes and Z.dtype == torch.float32
         assert (Z.double() - expected).abs().max() < (2e-2 if precision == "tf32" else 5e-5)  # 8.7e-3, 7e-6
 
@@ -155,14 +155,14 @@ def test_spectral_clip_takes_both_signs_in_bf16_under_tf32(monkeypatch):
 def test_pull_back_takes_its_sign_in_bf16_under_tf32(monkeypatch):
     # the pullback's q x q sign(B^T B - I) runs in bf16 under tf32 iterations, fp32 otherwise;
     # either way the singular values above 1 come down (s (3 - s^2) / 2) and those below stay
-    import manifolds.dual as dual
+    import manifolds.solver as solver
     seen = record_msign_dtypes(monkeypatch)
     s = torch.linspace(0.1, 1.2, 32, dtype=torch.float64)
     U, V, B = with_singular_values(s, seed=1)
     expected = (U * torch.where(s > 1, s * (3 - s.square()) / 2, s)) @ V.mT
     for precision, dtype, tolerance in (("tf32", torch.bfloat16, 2e-3), ("fp32", torch.float32, 1e-5)):  # 3.4e-4, 2e-7
         seen.clear()
-        pulled = dual.pull_back(B, cpu_plan(precision=precision, clip="polynomial"))
+        pulled = solver.pull_back(B, cpu_plan(precision=precision, clip="polynomial"))
         assert seen == [dtype] and pulled.dtype == torch.float32
         assert (pulled.double() - expected).abs().max() < tolerance
 
@@ -195,7 +195,7 @@ def test_plan_schedules_follow_the_iterations_precision(precision):
 
 def test_clip_runs_the_plans_step_count(monkeypatch):
     # the clip's two signs run plan.clip_steps steps: the plan, not a global, decides it
-    import manifolds.dual as dual
+    import manifolds.solver as solver
     steps = []
     msign = kernels.msign
     monkeypatch.setattr(kernels, "msign", lambda X, n, *a, **k: steps.append(n) or msign(X, n, *a, **k))
@@ -203,7 +203,7 @@ def test_clip_runs_the_plans_step_count(monkeypatch):
     for precision in ("fp32", "tf32"):
         steps.clear()
         plan = cpu_plan(precision=precision, clip="polynomial")
-        dual.spectral_clip(Y, plan)
+        solver.spectral_clip(Y, plan)
         assert steps == [plan.clip_steps] * 2
 
 

@@ -21,7 +21,7 @@ When only one of the q and k matrices can be scaled (split blocks, one of them S
 takes the whole factor gamma instead of sqrt(gamma).
 
 The optimizer's warm start scales with the matrix. The solver keeps the correction C = Lambda -
-Lambda0 of the dual multiplier, in units of the unit tangent gradient (manifolds/dual.py), and
+Lambda0 of the dual multiplier, in units of the unit tangent gradient (manifolds/solver.py), and
 starts the next step from X = Proj_T G + 2 W C. The tangent space at c W is the one at W, so
 Proj_T G and the optimum do not move; X is unchanged when c W carries C / c. So a matrix scaled
 by c has its stored warm start ("dual" / "dual@<lo>", manifolds/optimizer.py Piece.dual_key)

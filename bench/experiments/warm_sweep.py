@@ -27,7 +27,7 @@ import torch
 
 from bench.optimizer import momentum_like
 from manifolds import project_to_manifold
-from manifolds.dual import solve_tall, solve_tall_banks
+from manifolds.solver import solve_tall, solve_tall_banks
 from manifolds.geometry import geometry
 from manifolds.optimum import optimum, quality
 from manifolds.plan import SolverOptions, plan_for

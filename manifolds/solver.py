@@ -42,7 +42,8 @@ from kernels.matrix_sign import CLIP_SCHEDULE, EXACT_SCHEDULE, POLAR_SCHEDULE
 from manifolds.geometry import geometry
 from manifolds.plan import (CHECK_EVERY, EXACT_PE_STEPS, MUON_STEPS, NORM_ITERS, NORM_SQUARINGS, ONLINE_COLD, RHO_MAX,
                             SolverOptions, plan_for)
-from manifolds.span import StackedSpans, top_eigenvalue, top_eigenvalue_bound
+from manifolds.norm_bound import top_eigenvalue, top_eigenvalue_bound
+from manifolds.span import StackedSpans
 
 __all__ = ["SolverOptions", "Solution", "solve_tall_banks", "steepest_direction"]
 
@@ -505,7 +506,7 @@ def projected_sign(problem, G, plan, sign_steps):
 
 def better_answer(problem, G, B, other, plan):
     """Per matrix, whichever of the tangent answers B and `other` makes more progress
-    <G, A> / ||A||_op (the norm by span.top_eigenvalue_bound, an upper bound: the score a lower
+    <G, A> / ||A||_op (the norm by norm_bound.top_eigenvalue_bound, an upper bound: the score a lower
     bound on what finalize_banks makes of it). The Hyperball's secant dual, one multiplier for the
     whole matrix, stalls on a rank-deficient G at 0.64-0.85 of the optimum where the projected
     Muon step takes 0.98-1.0 (tests/test_no_signal.py); on full-rank momenta the dual's wins."""
@@ -669,7 +670,7 @@ def finalize_banks(banks, plan, project=True):
     """[A / b] for banks [(W, A, geo, d2)] of one q (any rows, any batch shape), each A first
     projected exactly onto the tangent space at W (project=False: already tangent to fp32
     rounding, the span's lift; or one bool per bank), and b^2 >= ||A||_op^2 = lam_1(A^T A) an upper bound
-    (span.top_eigenvalue_bound on A^T A to the power 2^NORM_SQUARINGS): ||A||_op <= 1, at most
+    (norm_bound.top_eigenvalue_bound on A^T A to the power 2^NORM_SQUARINGS): ||A||_op <= 1, at most
     ~6e-4 below it (bench/unit_norm.py). One stack of q x q Grams for all; 10 squarings where the
     power iteration before ran 5 and 8 matrix-vector products, whose Rayleigh quotient is a lower
     bound: ||A||_op reached 1.0048 on near-square shapes.

@@ -6,16 +6,16 @@ benchmarks' FLOP model (bench/optimizer.py) sums it over a model's matrices. Onl
 between matrices have to be right for the balancing; bench/cost_model.py counts the real ops of
 a step, which is what a GPU estimate uses.
 
-Terms follow manifolds/dual.py on the tall orientation p x q (p >= q); one polynomial matrix-sign
+Terms follow manifolds/solver.py on the tall orientation p x q (p >= q); one polynomial matrix-sign
 step on the q x p orientation is S = X X^T, S^2, B X: 2 p q^2 + q^3. Early exits on convergence
 are ignored (a warm step of the sync-free mode runs its whole budget); the online scheme's warm
-step is one dual step (dual.online_iterations; geo.online_steps of them). dgram-cap is costed as
+step is one dual step (solver.online_iterations; geo.online_steps of them). dgram-cap is costed as
 dgram: its active-set rounds run only with columns at the cap; Oblique runs ADMM on the full
 matrices (its Gram is not diagonal). Integers, so that ties in the
 balancing are exact on every rank.
 """
 from kernels.matrix_sign import CLIP_SCHEDULE
-from manifolds.dual import online_sign_steps, sharpens
+from manifolds.solver import online_sign_steps, sharpens
 from manifolds.geometry import geometry
 from manifolds.plan import EXACT_PE_STEPS, MUON_STEPS, NORM_SQUARINGS
 
@@ -42,7 +42,7 @@ def matrix_work(manifold, p, q, plan):
                 "msign": sign_work(p, q, online_sign_steps(geo, plan)) * geo.online_steps,
                 "norm": p * q * q + NORM_SQUARINGS * q ** 3, "retraction": retraction}
         if sharpens(geo, plan):
-            work["sharpen"] = p * q * q + 4 * q ** 3  # A R1 and four q x q products (dual.FullProblem.sharpened)
+            work["sharpen"] = p * q * q + 4 * q ** 3  # A R1 and four q x q products (solver.FullProblem.sharpened)
         return work
     iterations = plan.options.iterations * (2 if p < 2 * q else 1)
     reduced = geo.orthogonal_columns and p >= 2 * q  # ADMM in span[W, G]: on 2q x q problems
