@@ -136,7 +136,7 @@ def warm_direction(W, Gs, manifold, **solver):
     state = None
     for G in Gs:
         solution = solve_tall(W[None], G[None], geometry(manifold), state, plan)
-        state = solution.state
+        state = solution.warm_start
     return solution.A[0]
 
 

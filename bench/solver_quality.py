@@ -67,7 +67,7 @@ def warm_quality(W, Gs, manifold, scheme, opt):
     geo, plan, state = geometry(manifold), scheme_plan(scheme), None
     for G in Gs:
         solution = solve_tall(W, G, geo, state, plan)
-        state = solution.state
+        state = solution.warm_start
     return quality(W[0], Gs[-1][0], solution.A[0], opt)
 
 

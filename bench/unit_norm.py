@@ -64,7 +64,7 @@ def measure(plan_name, seeds):
                     out.append((W, G, geometry(manifold, 1.0), None if states is None else states[i]))
                 return out
             cold = solve_tall_banks(banks(None, 0), solver)
-            warm = solve_tall_banks(banks([s.state for s in cold], 5), solver)
+            warm = solve_tall_banks(banks([s.warm_start for s in cold], 5), solver)
             for shape, c, w in zip(SHAPES, cold, warm):
                 note((plan_name, manifold + " banks cold"), norms(c.A), (shape, seed))
                 note((plan_name, manifold + " banks warm"), norms(w.A), (shape, seed))

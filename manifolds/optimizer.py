@@ -604,8 +604,8 @@ class ManifoldMuon(torch.optim.Optimizer):
             new_W = torch.where(finite, new_W, W)
         states = None
         if self._geometry(pieces).constrained:
-            states = (solution.state if finite is None or solution.state is None
-                      else torch.where(finite, solution.state, self._warm_starts(pieces, solution.state)))
+            states = (solution.warm_start if finite is None or solution.warm_start is None
+                      else torch.where(finite, solution.warm_start, self._warm_starts(pieces, solution.warm_start)))
         # tensors, not floats: reading them would sync the device every bank
         stats = {"iterations": solution.iterations, "residual": solution.residual.max(), "fallbacks": solution.fallbacks}
         return [w.mT if piece.wide else w for piece, w in zip(pieces, new_W.unbind(0))], states, stats

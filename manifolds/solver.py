@@ -51,7 +51,7 @@ __all__ = ["SolverOptions", "Solution", "solve_tall_banks", "steepest_direction"
 @dataclass
 class Solution:
     A: torch.Tensor             # tall orientation, tangent, 1 - ~1e-3 <= ||A||_op <= 1
-    state: object               # warm start: the multiplier's correction Lambda - Lambda0 (q x q), or None
+    warm_start: object          # warm start: the multiplier's correction Lambda - Lambda0 (q x q), or None
     residual: torch.Tensor      # per-matrix relative tangent residual of the iterate before the answer
     iterations: int             # iterations run (the same for the whole batch)
     fallbacks: object = 0       # matrices that took the span's precision fallback (a tensor, or 0)
@@ -621,7 +621,7 @@ def admm(W, G, geo, correction, plan):
     pinned = getattr(geo, "pinned", None)
     flat_geo = geo.pin(flat(pinned)) if pinned is not None else geo
     s = admm_in_span([(flat(W), flat(G), flat_geo, None if correction is None else flat(correction))], plan)[0]
-    return Solution(s.A.reshape(W.shape), s.state.reshape(batch + s.state.shape[-2:]), s.residual.reshape(batch),
+    return Solution(s.A.reshape(W.shape), s.warm_start.reshape(batch + s.warm_start.shape[-2:]), s.residual.reshape(batch),
                     s.iterations, s.fallbacks)
 
 

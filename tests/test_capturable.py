@@ -180,7 +180,7 @@ def test_a_growing_warm_penalty_keeps_the_fixed_point_and_gets_closer_in_the_bud
         best, _ = optimum(W.double(), G.double(), manifold, iters=800)
         plan = plan_for(SolverOptions(scheme="admm", tol=0, capturable=True, **options), "cpu")
         noise = 0.05 * torch.randn(G.shape, generator=torch.Generator().manual_seed(1))
-        state = solve_tall(W[None], (G + noise)[None], geometry(manifold), None, plan).state
+        state = solve_tall(W[None], (G + noise)[None], geometry(manifold), None, plan).warm_start
         A = solve_tall(W[None], G[None], geometry(manifold), state, plan).A[0]
         return quality(W.double(), G.double(), A.double(), best), A
 
@@ -313,8 +313,8 @@ def test_the_warm_start_kept_averages_the_one_started_from_and_the_new_correctio
     plan = lambda average: plan_for(SolverOptions(scheme="admm", tol=0, capturable=True, warm_average=average), "cpu")  # noqa: E731
     geo = geometry("dgram")
     noise = torch.randn(G.shape, generator=torch.Generator().manual_seed(2), dtype=G.dtype)
-    incoming = solve_tall(W[None], (G + 0.5 * noise)[None], geo, None, plan(0.0)).state
+    incoming = solve_tall(W[None], (G + 0.5 * noise)[None], geo, None, plan(0.0)).warm_start
     own, mixed = (solve_tall(W[None], G[None], geo, incoming, plan(a)) for a in (0.0, 0.5))
     torch.testing.assert_close(mixed.A, own.A, rtol=0, atol=0)
-    torch.testing.assert_close(mixed.state, 0.5 * incoming + 0.5 * own.state, rtol=0, atol=1e-7)
-    assert (own.state - incoming).abs().max() > 1e-4  # the two differ, so the mix is a real one
+    torch.testing.assert_close(mixed.warm_start, 0.5 * incoming + 0.5 * own.warm_start, rtol=0, atol=1e-7)
+    assert (own.warm_start - incoming).abs().max() > 1e-4  # the two differ, so the mix is a real one

@@ -69,7 +69,7 @@ def test_the_direction_is_tangent_bounded_and_near_the_optimum(cases, scheme, pr
         state = None
         for G in Gs:  # warm-started step after step, as in training
             solution = solve_tall(W[None], G[None], HYPERBALL, state, plan)
-            state = solution.state
+            state = solution.warm_start
         A = solution.A[0].double()
         W64 = W.double()
         assert abs(float((W64 * A).sum())) / float(W64.norm() * A.norm()) < 1e-5
@@ -95,7 +95,7 @@ def test_one_rms_step_per_training_step_would_not_reach_it():
             state = None
             for G in trajectory(W, seed):
                 solution = solve_tall(W[None], G[None], geo, state, plan)
-                state = solution.state
+                state = solution.warm_start
             values.append(quality(W, G, solution.A[0], optimum(W, G, "hyperball", tol=1e-10)[0]))
         worst[name] = min(values)
     assert worst["hyperball"] > 0.9999 and worst["rms"] < 0.99, worst

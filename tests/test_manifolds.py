@@ -189,7 +189,7 @@ def test_unknown_solver_option_is_rejected():
 def test_square_stiefel_runs_no_iterations():
     W, G = random_point((24, 24), "stiefel", seed=7)  # solved exactly by the first multiplier
     sol = solve_tall(W, G, geometry("stiefel"), None, plan_for(SolverOptions(iterations=20), "cpu"))
-    assert sol.iterations == 0 and sol.state is None  # nothing to iterate, no warm start to keep
+    assert sol.iterations == 0 and sol.warm_start is None  # nothing to iterate, no warm start to keep
 
 
 def test_adaptive_exit_stops_early_when_converged():

@@ -94,7 +94,7 @@ def test_warm_and_cold_directions_reach_the_optimum(manifold):
     geo, plan, state = geometry(manifold), newton_plan(), None
     for G in Gs:
         solution = solve_tall(W[None], G[None], geo, state, plan)
-        state = solution.state
+        state = solution.warm_start
     opt, upper = optimum(W, Gs[-1], manifold, in_span=manifold != "oblique")
     assert (upper - opt) / upper < 1e-6
     warm = quality(W, Gs[-1], solution.A[0], opt)

@@ -140,9 +140,9 @@ def test_the_carried_correction_survives_a_change_of_the_gradients_scale():
     G = torch.randn(1, 96, 32, generator=g)
     first = solve_tall_banks([(W[None], G, geo, None)], plan)[0]
     G2 = G + 0.1 * torch.randn(1, 96, 32, generator=g)
-    answers = [solve_tall_banks([(W[None], G2 * c, geo, first.state)], plan)[0] for c in (1.0, 1e-3)]
+    answers = [solve_tall_banks([(W[None], G2 * c, geo, first.warm_start)], plan)[0] for c in (1.0, 1e-3)]
     torch.testing.assert_close(answers[1].A, answers[0].A, rtol=0, atol=2e-4)
-    torch.testing.assert_close(answers[1].state, answers[0].state, rtol=0, atol=2e-4)
+    torch.testing.assert_close(answers[1].warm_start, answers[0].warm_start, rtol=0, atol=2e-4)
 
 
 def test_qk_clip_scales_the_warm_start_with_the_matrix():

@@ -133,7 +133,7 @@ def test_banked_directions_have_unit_spectral_norm(plan):
         return out
 
     cold = solve_tall_banks(banks(0, None), solver)
-    warm = solve_tall_banks(banks(1, [s.state for s in cold]), solver)
+    warm = solve_tall_banks(banks(1, [s.warm_start for s in cold]), solver)
     # plain Muon ("none") is the field's: 5 Polar Express steps, no polish, singular values in
     # their band around 1 ([0.859, 1.141]); every constrained answer is unit to UNIT
     plain = [i for i, (_, m) in enumerate((s, m) for m in manifolds for s in shapes) if m == "none"]
@@ -286,7 +286,7 @@ def test_online_scheme_gives_tangent_unit_directions_and_stays_on_the_manifold(m
     W, G = random_point((96, 32), manifold, seed=3)
     geo = geometry(manifold)
     cold = solve_tall(W[None], G[None], geo, None, plan)
-    warm = solve_tall(W[None], G[None], geo, cold.state, plan)
+    warm = solve_tall(W[None], G[None], geo, cold.warm_start, plan)
     value, _ = optimum(W.double(), G.double(), manifold, iters=2000)
     for solution in (cold, warm):
         A = solution.A[0]
@@ -342,7 +342,7 @@ def test_sharpen_brings_the_online_answer_closer_to_the_optimum(manifold):
         state = None
         for _ in range(4):
             solution = solve_tall(W[None], G[None], geo, state, plan)
-            state = solution.state
+            state = solution.warm_start
         A = solution.A[0]
         assert UNIT[0] <= spectral_norms(A[None])[0] <= UNIT[1]
         assert float(geo.tangent_residual(W.double(), A.double()).abs().max()) <= 1e-5 * float(A.norm())

@@ -103,9 +103,9 @@ def test_warm_start_from_the_optimal_multiplier_is_near_optimal_at_once(manifold
     opt, _ = optimum(W, G, manifold, iters=1500)
     geo = geometry(manifold)
     converged = solve_tall(W[None], G[None], geo, None, cpu_plan(iterations=60, tol=0))
-    assert converged.state.shape == (1, 24, 24)
+    assert converged.warm_start.shape == (1, 24, 24)
     one_iteration = cpu_plan(iterations=1, pullbacks=0, tol=0)
-    one = solve_tall(W[None], G[None], geo, converged.state, one_iteration)
+    one = solve_tall(W[None], G[None], geo, converged.warm_start, one_iteration)
     cold_one = solve_tall(W[None], G[None], geo, None, one_iteration)
     assert quality(W, G, one.A[0], opt) >= 0.999
     assert quality(W, G, one.A[0], opt) > quality(W, G, cold_one.A[0], opt) + 0.01
@@ -118,7 +118,7 @@ def test_warm_started_defaults_reach_one_percent_of_the_optimum(manifold):
     state = None
     for G in momentum_sequence(W, seed=5):
         solution = solve_tall(W[None], G[None], geometry(manifold), state, cpu_plan())
-        state = solution.state
+        state = solution.warm_start
     opt, _ = optimum(W, G, manifold, iters=1500)
     assert quality(W, G, solution.A[0], opt) >= 0.99
     H = geometry(manifold).tangent_residual(W.double(), solution.A[0].double())
@@ -170,10 +170,10 @@ def test_pullbacks_bring_the_answer_closer_and_leave_the_warm_start(manifold):
         state = None
         for G in Gs:
             solution = solve_tall(W[None], G[None], geometry(manifold), state, plan)
-            state = solution.state
+            state = solution.warm_start
         results[rounds] = (quality(W, Gs[-1], solution.A[0], opt), solution)
     (plain, without), (pulled, with_rounds) = results[0], results[2]
     assert 1 - pulled < 0.5 * (1 - plain), (plain, pulled)  # here 0.2 and 0.38 of the gap remain
-    torch.testing.assert_close(with_rounds.state, without.state, rtol=0, atol=0)
+    torch.testing.assert_close(with_rounds.warm_start, without.warm_start, rtol=0, atol=0)
     H = geometry(manifold).tangent_residual(W.double(), with_rounds.A[0].double())
     assert H.square().mean().sqrt() / W.double().norm(dim=0).mean() <= 1e-5

@@ -29,14 +29,14 @@ def test_stacked_banks_give_the_bank_by_bank_solutions_cold_and_warm(capturable)
     together = solve_tall_banks([(W, G, m, None) for W, G, m in problems], plan)
     # warm: the next gradients, from each bank's own state
     nxt = [(W, G + 0.1 * torch.randn_like(G), m) for W, G, m in problems]
-    alone_warm = [solve_tall(W, G, m, s.state, plan) for (W, G, m), s in zip(nxt, alone)]
-    together_warm = solve_tall_banks([(W, G, m, s.state) for (W, G, m), s in zip(nxt, together)], plan)
+    alone_warm = [solve_tall(W, G, m, s.warm_start, plan) for (W, G, m), s in zip(nxt, alone)]
+    together_warm = solve_tall_banks([(W, G, m, s.warm_start) for (W, G, m), s in zip(nxt, together)], plan)
     for (W, _, _), a, b in zip(problems + nxt, alone + alone_warm, together + together_warm):
         torch.testing.assert_close(b.A, a.A, rtol=0, atol=2e-5)
         if W.size(-2) == W.size(-1):  # square Stiefel: exact, no warm start to keep
-            assert a.state is None and b.state is None
+            assert a.warm_start is None and b.warm_start is None
         else:
-            torch.testing.assert_close(b.state, a.state, rtol=0, atol=2e-4)
+            torch.testing.assert_close(b.warm_start, a.warm_start, rtol=0, atol=2e-4)
         assert a.iterations <= b.iterations  # a stack stops with its slowest bank (capturable: all run the budget)
 
 
@@ -131,8 +131,8 @@ def test_capturable_banks_run_their_whole_budget_and_syncing_ones_may_stop_early
     alone = [solve_tall(W, G, geo, None, plan) for W, G, geo in problems]
     together = solve_tall_banks([(W, G, geo, None) for W, G, geo in problems], plan)
     nxt = [(W, G + 0.1 * torch.randn_like(G), geo) for W, G, geo in problems]
-    alone_warm = [solve_tall(W, G, geo, s.state, plan) for (W, G, geo), s in zip(nxt, alone)]
-    together_warm = solve_tall_banks([(W, G, geo, s.state) for (W, G, geo), s in zip(nxt, together)], plan)
+    alone_warm = [solve_tall(W, G, geo, s.warm_start, plan) for (W, G, geo), s in zip(nxt, alone)]
+    together_warm = solve_tall_banks([(W, G, geo, s.warm_start) for (W, G, geo), s in zip(nxt, together)], plan)
     early = 0
     for (W, _, _), a, b, warm in zip(problems + nxt, alone + alone_warm, together + together_warm,
                                      [False] * len(problems) + [True] * len(nxt), strict=True):
