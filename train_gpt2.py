@@ -211,10 +211,12 @@ def add_solver_flags(v):
     v.add_argument("--kernels", choices=KERNEL_BACKENDS, default="auto",
                    help="optimizer kernels: fused triton, plain torch, or auto (triton on cuda)")
     v.add_argument("--solver-precision", choices=("auto", "fp32", "tf32", "bf16"), default="auto",
-                   help="ADMM's inner iterations: fp32 (3xTF32 kernels on GPU), tf32 (TF32 tensor cores, "
-                        "fp32 accumulation; emulated on CPU), or bf16; the final projection and retraction "
-                        "stay fp32; auto = tf32 on GPU, fp32 on CPU (bf16 costs direction quality, tf32 "
-                        "does not measurably: docs/solver-tuning.md)")
+                   help="precision of the solver's products: under the online scheme (the default) the products "
+                        "with W, the final projection's included (TF32 under tf32, the fp32 retraction absorbing "
+                        "the rounding) and the matrix sign (bf16 under tf32 and bf16); under scheme=admm its inner "
+                        "iterations: fp32 (3xTF32 kernels on GPU), tf32 (TF32 tensor cores, fp32 accumulation; "
+                        "emulated on CPU), or bf16. The retraction stays fp32. auto = tf32 on GPU, fp32 on CPU "
+                        "(docs/flags.md, docs/solver-tuning.md)")
     v.add_argument("--cuda-graph", choices=("off", "on"), default="off",
                    help="replay the Muon step from one CUDA graph, captured at the third step of the process "
                         "(no launch overhead; needs the sync-free step: capturable auto on GPU, or "
