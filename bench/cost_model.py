@@ -278,28 +278,50 @@ def count_all(args, fake):
         for p, g in zip(params, grads(1)):
             p.grad = g
         snap = snapshot(opt, params)
-        counts, owners = {}, {}
+        counts, owners, sharded = {}, {}, {}
         for world_size in args.world_size:
-            owners[world_size] = ownership(opt, world_size)
-            ranks, counted = [], {}
-            for rank in range(world_size):
-                signature = work_signature(opt, owners[world_size][rank])
-                if signature in counted and not args.count_every_rank:  # the same work as a rank counted
-                    ranks.append({**ranks[counted[signature]], "same_count_as": counted[signature]})
-                    continue
-                counted[signature] = rank
-                restore(opt, params, snap)
-                t0 = time.perf_counter()
-                counter = count_step(opt, world_size, rank)
-                ranks.append({**counter.summary(args.top), "seconds_on_this_machine": time.perf_counter() - t0,
-                              "world_size": world_size, "pieces": len(owners[world_size][rank])})
-            counts[world_size] = ranks
+            owners[world_size], counts[world_size] = count_world(args, opt, params, snap, world_size)
+            if args.fsdp and world_size > 1:
+                # the sharded step solves in the sharded buckets (exchange.buckets, owners over
+                # every rank of the job): counted as the replicated step cut the same way
+                with sharded_cut():
+                    sharded[world_size] = count_world(args, opt, params, snap, world_size)[1]
         restore(opt, params, snap)
         # matmul parameters of forward+backward: all but the position embedding (a lookup; the
         # token embedding is tied to the head, a product)
         matmul_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
         shapes = [tuple(p.shape) for p in params]
-    return counts, owners, (matmul_params, shapes), opt.plan
+    return counts, owners, (matmul_params, shapes), opt.plan, sharded
+
+
+def count_world(args, opt, params, snap, world_size):
+    """(owned pieces per rank, [summary per rank]) of one step at `world_size` from the snapshot."""
+    owners = ownership(opt, world_size)
+    ranks, counted = [], {}
+    for rank in range(world_size):
+        signature = work_signature(opt, owners[rank])
+        if signature in counted and not args.count_every_rank:  # the same work as a rank counted
+            ranks.append({**ranks[counted[signature]], "same_count_as": counted[signature]})
+            continue
+        counted[signature] = rank
+        restore(opt, params, snap)
+        t0 = time.perf_counter()
+        counter = count_step(opt, world_size, rank)
+        ranks.append({**counter.summary(args.top), "seconds_on_this_machine": time.perf_counter() - t0,
+                      "world_size": world_size, "pieces": len(owners[rank])})
+    return owners, ranks
+
+
+@contextlib.contextmanager
+def sharded_cut():
+    """DDP's buckets cut as the sharded step's (exchange.buckets instead of replicated_buckets)."""
+    from manifolds import exchange
+    saved = exchange.replicated_buckets
+    exchange.replicated_buckets = exchange.buckets
+    try:
+        yield
+    finally:
+        exchange.replicated_buckets = saved
 
 
 # --- the estimate -------------------------------------------------------------------------------
@@ -427,7 +449,7 @@ def matrix_elements(targs):
     return matrices, duals
 
 
-def sharded_line(args, world_size, ranks, fb, plan):
+def sharded_line(args, world_size, ranks, fb, plan, ddp_seconds):
     """Print and return the --fsdp line of one world size (module docstring); with
     --fsdp-shard-ranks S < world size, HSDP: R = world size / S replicas of S-rank shard groups, each
     matrix solved once per job (owners over all the ranks), the new values all-gathered across
@@ -448,7 +470,6 @@ def sharded_line(args, world_size, ranks, fb, plan):
     compute = sum(estimate(r)["compute"] for r in ranks)  # every rank's share, summed
     per_bucket = [compute * max(load) / sum(sum(load) for load in loads) for load in loads]
     fsdp_compute = sum(per_bucket)
-    ddp_seconds = max(estimate(r)["total"] for r in ranks)
     # a steady step: G in the plan's wire dtype out, W and Lambda back (exchange.py), inside the
     # shard group: a replica group carries the pieces its replica owns, 1/R of them
     wire = plan.grad_wire_dtype.itemsize
@@ -550,7 +571,7 @@ def count_and_report(args, out):
     t0 = time.perf_counter()
     if args.fake:
         try:
-            counts, owners, (matmul_params, shapes), plan = count_all(args, fake=True)
+            counts, owners, (matmul_params, shapes), plan, sharded = count_all(args, fake=True)
             mode = "fake"
         except FAKE_ERRORS:
             note = "needs a real run: the step reads device values on the host"
@@ -559,12 +580,12 @@ def count_and_report(args, out):
                 print(f"--fake-only: {note} (at least 1 sync); nothing counted", file=sys.stderr)
                 return 3
             print(f"--fake: {note}; counting a real run", flush=True)
-            counts, owners, (matmul_params, shapes), plan = count_all(args, fake=False)
+            counts, owners, (matmul_params, shapes), plan, sharded = count_all(args, fake=False)
             syncs = counts[args.world_size[0]][0]["host_syncs"]
             out.put("fake", value=f"{note} ({syncs} syncs)")
             print(f"  ({syncs} syncs in the counted step)")
     else:
-        counts, owners, (matmul_params, shapes), plan = count_all(args, fake=False)
+        counts, owners, (matmul_params, shapes), plan, sharded = count_all(args, fake=False)
     out.put("mode", value=mode)
     out.put("solver", value=plan.as_dict())
     out.put("seconds", value=time.perf_counter() - t0)
@@ -608,7 +629,8 @@ def count_and_report(args, out):
     if args.fsdp:  # last: each ends with its `sharded:` line
         for world_size, ranks in counts.items():
             if world_size > 1:
-                line = sharded_line(args, world_size, ranks, fwd_bwd(args, matmul_params, world_size), plan)
+                line = sharded_line(args, world_size, sharded[world_size], fwd_bwd(args, matmul_params, world_size),
+                                    plan, ddp_seconds=max(estimate(r)["total"] for r in ranks))
                 out.put("sharded", str(world_size), value=line)
     return 0
 

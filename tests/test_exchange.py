@@ -129,6 +129,7 @@ def rank_main(rank, world, store, out_dir):
     from torch.distributed.device_mesh import init_device_mesh
     try:
         exchange.EXCHANGE_BUCKET = 1  # every bank cut: one piece per owner and bucket
+        exchange.replicated_buckets = exchange.buckets  # DDP's too (by default it cuts whole banks)
         results = {}
         meshes = {"ddp": None, "fsdp": init_device_mesh("cpu", (world,))}
         if world == 4:
@@ -238,3 +239,25 @@ def test_hsdp_solves_each_matrix_once_per_job_with_bitwise_equal_replicas(runs, 
         for a, b in zip(ranks[s]["hsdp", True]["local"], ranks[2 + s]["hsdp", True]["local"]):
             assert torch.equal(a, b)
     assert largest_difference(ranks[0]["hsdp", True], alone) <= 1e-5
+
+
+def gpt2_banks(model):
+    from bench.memory import meta_model, trainer_args
+    _, groups = meta_model(trainer_args(model))
+    return list(ManifoldMuon(groups, shard=False).banks())
+
+
+@pytest.mark.parametrize("model,ranks,sizes", [("gpt2", 8, [[24], [12, 12]]), ("gpt2-xl", 8, [[96], [48], [48]]),
+                                               ("gpt2", 3, [[12], [12], [24]][::-1])])
+def test_ddp_buckets_are_whole_banks_few_and_the_largest_first(model, ranks, sizes):
+    """DDP's buckets (exchange.plan_group of a Replicated layout): whole banks, closed when their
+    pieces are a multiple of the ranks, the largest first; not the sharded step's memory-bound cut
+    (GPT-2 XL at 8 ranks: 16 buckets that repeat the solver's per-bank launches in each)."""
+    from manifolds.plan import SolverOptions, plan_for
+    banks = gpt2_banks(model)
+    group = exchange.plan_group(exchange.Replicated(ranks, 0), banks, plan_for(SolverOptions(), "cpu"))
+    assert [[len(pieces) for _, pieces in bucket] for bucket in group.buckets] == sizes
+    whole = {name: len(pieces) for name, pieces in banks}
+    assert all(len(pieces) == whole[name] for bucket in group.buckets for name, pieces in bucket)
+    numel = [sum(exchange.piece_numel(p) for _, pieces in bucket for p in pieces) for bucket in group.buckets]
+    assert numel == sorted(numel, reverse=True)
