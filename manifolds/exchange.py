@@ -442,11 +442,11 @@ class Exchange:
             torch._foreach_copy_([piece.weight() for piece in pieces], new_W)
 
         def done():
-            targets, sources = [], []
+            targets, sources, keep, states = [], [], [], []
             for slot, pieces in enumerate(by_slot):
                 if slot == group.me:
                     continue
-                offset, keep, states = 0, [], []
+                offset = 0
                 for piece in pieces:
                     n = piece.weight().numel()
                     targets.append(piece.weight())
@@ -456,8 +456,8 @@ class Exchange:
                         keep.append(piece)
                         states.append(received[slot, offset:offset + warm(piece)].view(warm_shape(piece)))
                         offset += warm(piece)
-                if keep:
-                    io.store_warm(keep, states)
+            if keep:  # every other rank's warm starts in one call (one foreach copy once they exist)
+                io.store_warm(keep, states)
             if targets:
                 torch._foreach_copy_(targets, sources)
             if stats_names:

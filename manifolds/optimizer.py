@@ -540,8 +540,15 @@ class ManifoldMuon(torch.optim.Optimizer):
             if checked:
                 finite = torch.stack(torch._foreach_norm([grads[i] for i in checked], float("inf"))).isfinite()
                 zero = finite.new_zeros((), dtype=torch.float32)  # one tensor, not a scalar_tensor launch per matrix
-                for i, ok in zip(checked, finite.unbind(0)):
-                    grads[i] = torch.where(ok, grads[i], zero)
+                # g masked to 0 where not finite: one where over the gradients laid end to end (the
+                # mask each matrix's flag repeated over its entries), split back into views of it:
+                # 3 launches, not one per matrix (GPT-2 small 48, XL 192); the same values
+                sizes = [grads[i].numel() for i in checked]
+                flat = torch.cat([grads[i].reshape(-1) for i in checked])
+                mask = torch.cat([ok.expand(n) for ok, n in zip(finite.unbind(0), sizes)])
+                torch.where(mask, flat, zero, out=flat)
+                for i, ok, part in zip(checked, finite.unbind(0), flat.split(sizes)):
+                    grads[i] = part.view(grads[i].shape)
                     self._finite[id(params[i])] = ok
                 # mu, or 1 for a matrix with a non-finite gradient: its momentum as it was
                 torch._foreach_mul_([bufs[i] for i in checked], list(torch.where(finite, mu, 1.0).unbind(0)))
