@@ -51,6 +51,7 @@ from manifolds import ManifoldMuon, manifold_param_groups, manifold_violation
 from manifolds.assignment import parse_assignment
 from manifolds.param_groups import Matrix, assigned_matrices, muon_groups, project_matrices
 from manifolds.sharded import shard_full_state
+from manifolds.exchange import ExchangeOptions, parse_exchange_opts
 from manifolds.plan import SOLVER_VALUE_TEXT, SolverOptions, parse_solver_value, show_value, solver_value_kind
 from manifolds.step_graph import StepGraph, lr_in_device_tensors
 from model import GPT, GPTConfig  # the model (model.py); train_gpt2.GPT stays importable
@@ -229,6 +230,11 @@ def add_solver_flags(v):
                         + ". scheme=online (one dual step per training step) reads dual_step and stiefel_dual_step; scheme=admm reads "
                           "iterations, pullbacks, rho, rho_warm, rho_growth, warm_average, relax and tol "
                           "(docs/solver-tuning.md)")
+    v.add_argument("--exchange-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="set one setting of the optimizer's exchange between ranks (repeatable; the defaults are "
+                        "what runs). Keys and defaults: "
+                        + ", ".join(f"{f.name}={show_value(f.default)}" for f in dataclasses.fields(ExchangeOptions))
+                        + " (docs/distributed.md)")
 
 
 def add_eval_flags(e):
@@ -276,6 +282,8 @@ def parse_solver_opts(items):
         key = key.strip()
         if key in SOLVER_FLAG_OPTIONS:
             raise UserError(f"--solver-opt {item}: {key} is set by {SOLVER_FLAG_OPTIONS[key]}")
+        if key in ExchangeOptions.keys():
+            raise UserError(f"--solver-opt {item}: {key} is an exchange setting now: --exchange-opt {item}")
         if not sep or key not in defaults:
             raise UserError(f"--solver-opt {item}: unknown key {key!r}; KEY=VALUE with KEY one of {valid}")
         kind = solver_value_kind(key, defaults[key])
@@ -298,6 +306,10 @@ def validate_args(args, world_size=None):
     args.assignment and args.solver_options (--solver-opt's {key: value}). `world_size` defaults
     to torchrun's WORLD_SIZE (1 without torchrun)."""
     args.solver_options = parse_solver_opts(args.solver_opt)
+    try:
+        args.exchange_options = parse_exchange_opts(args.exchange_opt)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     for name, value in vars(args).items():  # inf and NaN pass the range checks below
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
@@ -650,7 +662,7 @@ def build_optimizers(model, args, device, auto=None):
         groups, rest = [{"params": [], "manifold": "none"}], list(model.parameters())
     muon = ManifoldMuon(groups, lr=args.muon_lr, momentum=args.momentum, nesterov=True,
                         weight_decay=args.weight_decay, backend=args.kernels, dgram_cap=args.dgram_cap,
-                        precision=args.solver_precision, **args.solver_options)
+                        precision=args.solver_precision, **args.solver_options, **args.exchange_options)
     adamw_groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
                     {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     adamw = torch.optim.AdamW(adamw_groups, lr=args.lr, betas=(0.9, 0.95),

@@ -10,7 +10,7 @@
 
 It builds the trainer's Muon groups exactly (train_gpt2.build_optimizers, --kernels torch, fp32
 on CPU) with the solver a GPU runs by default (its "auto" choices: polynomial clip, sync-free
-step, TF32 iterations; --solver-opt KEY=VALUE and --solver-precision go to the trainer as given,
+step, TF32 iterations; --solver-opt KEY=VALUE, --exchange-opt KEY=VALUE and --solver-precision go to the trainer as given,
 after those), gives every matrix a momentum-like gradient (bench/optimizer.py), runs one untimed
 step (momenta and warm starts created), then counts ONE warm step op by op (bench/op_count.py):
 kernel launches (torch ops; each call of the three kernel products is one Triton launch),
@@ -97,7 +97,9 @@ RATE_OF = {"triton:bf16": "bf16_flops", "bf16": "bf16_flops", "triton:tf32": "tf
 FAKE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)
 # What SolverOptions' "auto" resolves to on a GPU where this CPU would choose otherwise
 # (manifolds/plan.py: eigh and the syncing step on a CPU); --solver-precision's default is the third
-GPU_SOLVER_OPTS = ("clip=polynomial", "capturable=on", "exchange_grad=bf16")  # what auto picks on a GPU
+GPU_SOLVER_OPTS = ("clip=polynomial", "capturable=on")  # what auto picks on a GPU
+# (the exchange's settings, --exchange-opt, are resolved for a GPU where the sharded line prices
+# them: exchange_grad auto is bf16 there)
 
 
 MODEL_SHAPES = {"gpt2": (12, 768), "gpt2-medium": (24, 1024), "gpt2-large": (36, 1280), "gpt2-xl": (48, 1600)}
@@ -122,6 +124,9 @@ def parse_args(argv=None):
     ap.add_argument("--solver-opt", action="append", default=[], metavar="KEY=VALUE",
                     help="train_gpt2's --solver-opt, repeatable, applied after the GPU's choices "
                          + " ".join(GPU_SOLVER_OPTS) + " (e.g. clip=eigh, capturable=off, iterations=4)")
+    ap.add_argument("--exchange-opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="train_gpt2's --exchange-opt, repeatable (e.g. resident=on, exchange_grad=fp32: the "
+                         "sharded line's bytes)")
     ap.add_argument("--solver-precision", default="tf32",
                     help="train_gpt2's --solver-precision (default tf32: what its auto picks on a GPU; on this "
                          "CPU auto would be fp32)")
@@ -182,7 +187,8 @@ def trainer_args(args):
                                    "--assign", args.assign, "--kernels", "torch", "--device", "cpu",
                                    "--dtype", "float32", "--solver-precision", args.solver_precision]
                                   + [flag for opt in GPU_SOLVER_OPTS + tuple(args.solver_opt)
-                                     for flag in ("--solver-opt", opt)])
+                                     for flag in ("--solver-opt", opt)]
+                                  + [flag for opt in args.exchange_opt for flag in ("--exchange-opt", opt)])
     train_gpt2.validate_args(targs, world_size=1)
     return targs
 
@@ -472,10 +478,11 @@ def sharded_line(args, world_size, ranks, fb, plan, ddp_seconds):
     fsdp_compute = sum(per_bucket)
     # a steady step: G in the plan's wire dtype out, W and Lambda back (exchange.py), inside the
     # shard group: a replica group carries the pieces its replica owns, 1/R of them
-    wire = plan.grad_wire_dtype.itemsize
+    options = exchange.ExchangeOptions.from_kwargs(**targs.exchange_options)
+    wire = options.grad_dtype("cuda").itemsize  # as on the H200 the estimate is for
     assignment = dict(targs.assignment)
     received = per_step(targs.n_layer, targs.n_embd, assignment, shard_ranks, wire,
-                        plan.options.resident)["manifold_muon"] / replicas
+                        options.resident)["manifold_muon"] / replicas
     back = per_step(targs.n_layer, targs.n_embd, assignment, shard_ranks, 0, True)["manifold_muon"] / replicas
     out = received - back
     # HSDP's back (b): the replica all-gather of this shard's new W and warm starts (fp32), a ring
@@ -526,6 +533,7 @@ def main(argv=None):
     trainer_args(args)  # a bad --solver-opt is a UserError before anything is built
     print(f"ManifoldMuon step, {args.assign}, {args.n_layer} layers x n_embd {args.n_embd}, solver options "
           f"{' '.join(GPU_SOLVER_OPTS + tuple(args.solver_opt))}, solver precision {args.solver_precision}"
+          f"{', exchange options ' + ' '.join(args.exchange_opt) if args.exchange_opt else ''}"
           f"{', TF32 labels' if args.tf32 else ''}"
           f"{f', exchange buckets of {args.exchange_bucket} elements (what if)' if args.exchange_bucket else ''}; code at {commit}{' + uncommitted changes' if dirty else ''}",
           flush=True)

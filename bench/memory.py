@@ -111,7 +111,7 @@ def exchange_held(muon, world, rank, warm=True, resident=False):
     with overlap, the next bucket's out exchange and the previous bucket's return in flight (sent
     and received). The worst step by default: warm starts travel, nothing resident (the step after
     a resume)."""
-    grad = muon.plan.grad_wire_dtype.itemsize
+    grad = muon.exchange.grad_dtype.itemsize
     bucketed = exchange.buckets(list(muon.banks()), world)
     owners = exchange.bucket_owners(bucketed, muon.plan, world)
 
@@ -126,7 +126,7 @@ def exchange_held(muon, world, rank, warm=True, resident=False):
             return FP32 * (box + dual)
         sent_again = not resident
         return (wire_bytes(box, torch.float32) if sent_again else 0) + wire_bytes(
-            box, muon.plan.grad_wire_dtype) + (FP32 * dual if warm and keeps and sent_again else 0)
+            box, muon.exchange.grad_dtype) + (FP32 * dual if warm and keeps and sent_again else 0)
 
     def out_received(bucket):
         return sum(parts(piece, s, True) for _, pieces in bucket for piece in pieces
@@ -146,7 +146,7 @@ def exchange_held(muon, world, rank, warm=True, resident=False):
         back_received = sum(parts(piece, rank, False) for _, pieces in bucket for piece in pieces)
         # the received bytes are freed once assembled (exchange.ShardedBucket.solve_and_return)
         total = max(out_received(bucket) + assembled, assembled + back_sent + back_received)
-        if muon.options.overlap:  # the previous bucket's return, the next one's out exchange
+        if muon.exchange.options.overlap:  # the previous bucket's return, the next one's out exchange
             total += returning
             if index + 1 < len(bucketed):
                 total += out_sent(bucketed[index + 1]) + out_received(bucketed[index + 1])
@@ -294,7 +294,7 @@ def counted_rank(args, world, rank, fsdp):
             q = warm_shape(piece)[0]
             lo, hi = chunk_range(q, world, rank) if fsdp else (0, q)
             held["manifold_muon"] += FP32 * (hi - lo) * q
-    if fsdp and muon.options.resident:  # the owner's resident W and Lambda (exchange.py)
+    if fsdp and muon.exchange.options.resident:  # the owner's resident W and Lambda (exchange.py)
         held["manifold_muon"] += FP32 * sum(resident_numel(piece, muon.options) for piece in owned_shards(muon, world, rank))
     return held
 

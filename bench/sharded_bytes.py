@@ -12,7 +12,7 @@ Per rank and step, in bytes received (what sets a ring collective's time; sent i
   * ManifoldMuon's exchange (manifolds/exchange.py): out, a rank receives the parts of G of the
     pieces it owns from the P-1 others (g bytes an element: 2 in bf16, a GPU's default, 4 in
     fp32), and of W and the dual warm start Lambda only where the owner holds no resident copy
-    from the last step (--resident: --solver-opt resident=on; otherwise every step); back,
+    from the last step (--resident: --exchange-opt resident=on; otherwise every step); back,
     it receives its parts of the new W and Lambda of the pieces others own, fp32. Per step without
     resident copies (the default, or a step that resends): (P-1)/P^2 ((g + 8) |W| + 8 |Lambda|)
     summed over the matrices; with valid ones (--resident): (P-1)/P^2 ((g + 4) |W| + 4 |Lambda|); |Lambda| = q^2 for a piece that keeps a warm start and 0 for plain Muon and the
@@ -63,9 +63,9 @@ def main(argv=None):
     parser.add_argument("--ranks", type=int, default=8, help="ranks of the shard group")
     parser.add_argument("--assign", default="hetero", help="manifold assignment (train_gpt2.py --assign)")
     parser.add_argument("--grad-wire", choices=("bf16", "fp32"), default="bf16",
-                        help="G's dtype on the exchange's wire (--solver-opt exchange_grad; bf16 is a GPU's default)")
+                        help="G's dtype on the exchange's wire (--exchange-opt exchange_grad; bf16 is a GPU's default)")
     parser.add_argument("--resident", action="store_true",
-                        help="owners with resident copies (--solver-opt resident=on): W and Lambda not sent out "
+                        help="owners with resident copies (--exchange-opt resident=on): W and Lambda not sent out "
                              "on a steady step (default: off, as the optimizer's default; sent every step)")
     args = parser.parse_args(argv)
     assignment = dict(parse_assignment(args.assign))

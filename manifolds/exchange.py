@@ -41,7 +41,7 @@ the warm starts' tensors, a way to store replicated warm starts, whether a param
 The exchange never reads the optimizer's state itself.
 """
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -59,6 +59,72 @@ from manifolds.step_cost import piece_cost
 # matrices. 2^24 elements (64 MiB of fp32 W) per rank (bench/memory.py counts what it holds;
 # tests/test_sharded_plan.py pins the buckets of the GPT-2 presets)
 EXCHANGE_BUCKET = 1 << 24
+
+
+# --- settings ------------------------------------------------------------------------------------
+
+WIRE_DTYPES = ("auto", "fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class ExchangeOptions:
+    """The exchange's settings (the trainer's --exchange-opt KEY=VALUE; ManifoldMuon takes them as
+    keyword arguments beside the solver's). None changes a result bit except exchange_grad=bf16
+    (G rounded on the sharded wire); docs/distributed.md has the measured choices."""
+    overlap: bool = True         # the next bucket's out exchange and the last bucket's return in flight
+                                 # while a bucket solves (off: the serial order; bitwise the same)
+    exchange_grad: str = "auto"  # G's dtype on the sharded wire: fp32, bf16, auto (bf16 on CUDA: its
+                                 # 2^-9 rounding is below what the bf16 signs of a GPU's step round)
+    resident: bool = False       # owners keep each sharded piece's W and Lambda between steps, so that
+                                 # only G travels to them, checked by digests (one all-reduce and one
+                                 # host sync a step; off, the default: W and Lambda travel every step)
+
+    def __post_init__(self):
+        if self.exchange_grad not in WIRE_DTYPES:
+            raise ValueError(f"unknown exchange_grad {self.exchange_grad!r}; valid: {', '.join(WIRE_DTYPES)}")
+
+    @classmethod
+    def keys(cls):
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs):
+        from manifolds.plan import parse_option
+        unknown = sorted(set(kwargs) - set(cls.keys()))
+        if unknown:
+            raise TypeError(f"unknown exchange options {unknown}; valid: {list(cls.keys())}")
+        return cls(**{key: parse_option(key, value, cls) for key, value in kwargs.items()})
+
+    def grad_dtype(self, device):
+        """G's dtype on the sharded wire for parameters on `device` (a torch.device or its type)."""
+        cuda = torch.device(device).type == "cuda"
+        bf16 = self.exchange_grad == "bf16" or (self.exchange_grad == "auto" and cuda)
+        return torch.bfloat16 if bf16 else torch.float32
+
+
+def parse_exchange_opts(items):
+    """--exchange-opt KEY=VALUE, ... -> {key: value} (the trainer's flag, parsed as --solver-opt is);
+    a ValueError names the bad item and the valid keys."""
+    from manifolds.plan import SOLVER_VALUE_TEXT, parse_solver_value, show_value, solver_value_kind
+    defaults = {f.name: f.default for f in fields(ExchangeOptions)}
+    valid = ", ".join(defaults)
+    options = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or key not in defaults:
+            raise ValueError(f"--exchange-opt {item}: unknown key {key!r}; KEY=VALUE with KEY one of {valid}")
+        kind = solver_value_kind(key, defaults[key], ExchangeOptions)
+        value = parse_solver_value(kind, text)
+        if value is None:
+            raise ValueError(f"--exchange-opt {item}: {key} takes {SOLVER_VALUE_TEXT[kind]}, got {text!r} "
+                             f"(default {show_value(defaults[key])}; keys: {valid})")
+        options[key] = value
+    try:
+        ExchangeOptions(**options)
+    except ValueError as err:
+        raise ValueError(f"--exchange-opt: {err}") from None
+    return options
 
 
 # --- buckets and owners --------------------------------------------------------------------------
@@ -303,7 +369,10 @@ class Exchange:
     sharded exchange buffers held at once) and `stats` {bank: {iterations, residual, fallbacks}}."""
 
     def __init__(self, options, plan):
+        """options: ExchangeOptions; plan: the optimizer's SolverPlan (its device sets G's wire dtype,
+        its options which pieces keep a warm start)."""
         self.options, self.plan = options, plan
+        self.grad_dtype = options.grad_dtype(plan.device)
         self.resident_record, self.resident_cache = {}, {}
         self.counts, self.stats = {}, {}
 
@@ -404,7 +473,7 @@ class Exchange:
         drain(pending)
 
     def _keep_own(self, io, pieces, states):
-        keeps = [keeps_warm_start(piece, self.options) for piece in pieces]
+        keeps = [keeps_warm_start(piece, self.plan.options) for piece in pieces]
         if states is None and any(keeps):
             raise RuntimeError(f"ManifoldMuon: the solver left no warm start for a {pieces[0].manifold} piece that "
                                "keeps one (sharded.keeps_warm_start): the exchange cannot send it")
@@ -417,7 +486,7 @@ class Exchange:
             for piece in pieces:
                 by_slot[group.owners[piece.key]].append(piece)
         warm = lambda piece: warm_shape(piece)[0] * warm_shape(piece)[1] if keeps_warm_start(  # noqa: E731
-            piece, self.options) else 0
+            piece, self.plan.options) else 0
         volume = max(sum(piece.weight().numel() + warm(piece) for piece in pieces) for pieces in by_slot)
         tail = STATS * len(stats_names) if stats_names else 0
         width = volume + tail
@@ -552,11 +621,11 @@ class ShardedBucket:
         self.S, self.s = layout.size, layout.rank
         every = [piece for _, pieces in bucket for piece in pieces]
         self.by_slot = [[piece for piece in every if group.owners[piece.key] == slot] for slot in range(group.slots)]
-        self.keeps = {piece.key: keeps_warm_start(piece, exchange.options) for piece in every}
+        self.keeps = {piece.key: keeps_warm_start(piece, exchange.plan.options) for piece in every}
         # the warm start travels once the parameter has stepped (until then it is zero)
         self.warm = {piece.key: self.keeps[piece.key] and io.started(piece) for piece in every}
         self.resident = {piece.key: resident[piece.key] for piece in every}
-        self.grad_dtype = exchange.plan.grad_wire_dtype
+        self.grad_dtype = exchange.grad_dtype
         self.device = local(every[0].param).device
 
     def pieces_of(self, shard, replica=None):
@@ -730,12 +799,12 @@ def steady_received_bytes(optimizer):
     parts (and, without resident copies, the W and warm start parts) of the pieces it owns, its
     parts of the new W and warm starts of the pieces others of its replica own and, under HSDP,
     those of the pieces other replicas own. From the shapes and the plan."""
-    options, plan = optimizer.exchange.options, optimizer.plan
-    resident = options.resident
+    options, grad = optimizer.plan.options, optimizer.exchange.grad_dtype
+    resident = optimizer.exchange.options.resident
     total = 0
-    out = (("G", plan.grad_wire_dtype),) if resident else (("W", torch.float32), ("G", plan.grad_wire_dtype))
+    out = (("G", grad),) if resident else (("W", torch.float32), ("G", grad))
     for layout, banks in sharded_banks(optimizer).items():
-        group = plan_group(layout, banks, plan)
+        group = plan_group(layout, banks, optimizer.plan)
         R, r, _ = replicas(layout)
         S, s = layout.size, layout.rank
         back = lambda piece: sum(wire_bytes(n, dt) for _, n, dt in piece_parts(  # noqa: E731

@@ -61,7 +61,7 @@ from torch.optim.adamw import adamw
 
 from manifolds import exchange, plan_check, reference
 from manifolds.solver import STATS, solve_tall_banks
-from manifolds.exchange import Exchange, Replicated, StepInputs, plan_group
+from manifolds.exchange import Exchange, ExchangeOptions, Replicated, StepInputs, plan_group
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
 from manifolds.plan import SolverOptions, plan_for
 from manifolds.sharded import (is_sharded, keeps_warm_start, local, project_sharded, radius_key,
@@ -144,11 +144,14 @@ class ManifoldMuon(torch.optim.Optimizer):
     """Group options: lr, momentum, nesterov, weight_decay, manifold (or blocks), dgram_cap (the
     column-norm cap of "dgram-cap"), transposed; algorithm ("muon", or "adamw" with
     lr, betas, eps, weight_decay). Solver options (SolverOptions fields) are the optimizer's,
-    resolved once into `plan` for the parameters' device."""
+    resolved once into `plan` for the parameters' device; the exchange's (ExchangeOptions fields:
+    overlap, exchange_grad, resident) are keyword arguments too, kept by `exchange`."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
-                 manifold="none", dgram_cap=1.0, shard=True, **solver_opts):
-        self.options = SolverOptions.from_kwargs(**solver_opts)
+                 manifold="none", dgram_cap=1.0, shard=True, **options):
+        exchange_opts = {key: options.pop(key) for key in ExchangeOptions.keys() if key in options}
+        self.options = SolverOptions.from_kwargs(**options)
+        exchange_options = ExchangeOptions.from_kwargs(**exchange_opts)
         self._unprojected = []  # frozen matrices not yet checked against their manifold (add_param_group)
         self._plan_checked = False  # plan_check at the next step (also after a load or new groups)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -160,7 +163,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
         # who solves which piece, the collectives, the resident copies and the statistics (exchange.py)
-        self.exchange = Exchange(self.options, self.plan)
+        self.exchange = Exchange(exchange_options, self.plan)
         for group in self.param_groups:
             self._init_sharded_state(group)
 

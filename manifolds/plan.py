@@ -23,7 +23,6 @@ PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 CAPTURABLE = ("auto", True, False)
 SOLVERS = ("fast", "reference")
 SCHEMES = ("online", "admm", "newton")  # newton: manifolds/newton.py
-WIRE_DTYPES = ("auto", "fp32", "bf16")
 
 # Fixed budgets (not settings: no experiment moves them)
 MUON_STEPS = (5, 0)  # plain Muon's msign, as the field runs it: 5 Polar Express steps, no polish,
@@ -55,13 +54,8 @@ class SolverOptions:
     capturable: object = "auto"  # no host syncs (fixed budgets); auto: on CUDA
     backend: str = "auto"      # kernels: triton, torch, or auto (triton on CUDA)
     solver: str = "fast"       # fast (this plan), or reference: manifolds/reference.py, exact SVDs, slow
-    # the sharded step (manifolds/sharded.py): owners keep each piece's W and Lambda between steps,
-    # so that only G travels to them, each step checking by digests that the shards still hold them
-    # (one all-reduce and one host sync a step; off, the default: W and Lambda travel every step,
-    # sync-free; the measured choice in docs/distributed.md); G's dtype on that wire (auto: bf16 on CUDA)
-    resident: bool = False
-    exchange_grad: str = "auto"
-    overlap: bool = True       # ... and the next bucket's out exchange in flight while one solves
+    # (the exchange's settings, resident copies, G's wire dtype and overlap, are
+    # manifolds/exchange.py's ExchangeOptions: the trainer's --exchange-opt)
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -70,8 +64,6 @@ class SolverOptions:
             raise ValueError(f"dual_step must lie in (0, 2]; got {self.dual_step}")
         if not 0 <= self.stiefel_dual_step <= 2:
             raise ValueError(f"stiefel_dual_step must lie in [0, 2]; got {self.stiefel_dual_step}")
-        if self.exchange_grad not in WIRE_DTYPES:
-            raise ValueError(f"unknown exchange_grad {self.exchange_grad!r}; valid: {', '.join(WIRE_DTYPES)}")
         if self.solver not in SOLVERS:
             raise ValueError(f"unknown solver {self.solver!r}; valid: {', '.join(SOLVERS)}")
         if self.clip not in CLIPS:
@@ -98,13 +90,14 @@ class SolverOptions:
         return cls(**{key: parse_option(key, value) for key, value in kwargs.items()})
 
 
-def parse_option(key, value):
-    """A SolverOptions value given to the Python API: text is parsed as --solver-opt KEY=VALUE
-    parses it (a bool field takes on / off / true / false, a number its digits), never taken
-    for its truth ("off" is a non-empty string); a switch given as anything but a bool or such
-    text, a number as a bool, and text that does not parse are a ValueError naming KEY."""
-    default = {f.name: f.default for f in fields(SolverOptions)}[key]
-    kind = solver_value_kind(key, default)
+def parse_option(key, value, options=SolverOptions):
+    """A SolverOptions (or other `options` dataclass's) value given to the Python API: text is
+    parsed as --solver-opt KEY=VALUE parses it (a bool field takes on / off / true / false, a
+    number its digits), never taken for its truth ("off" is a non-empty string); a switch given
+    as anything but a bool or such text, a number as a bool, and text that does not parse are a
+    ValueError naming KEY."""
+    default = {f.name: f.default for f in fields(options)}[key]
+    kind = solver_value_kind(key, default, options)
     if isinstance(value, str) and kind != "str":
         parsed = parse_solver_value(kind, value)
         if parsed is None or (kind in ("int", "float") and parsed < 0):
@@ -124,11 +117,11 @@ def show_value(value):
     return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
-def solver_value_kind(key, default):
-    """What --solver-opt KEY takes, from the type of KEY's default: "switch" (on/off) for a bool,
-    "auto-or-switch" for a field that defaults to "auto" without being typed str (capturable),
-    else the default's type name (int, float, str)."""
-    field_type = {f.name: f.type for f in fields(SolverOptions)}[key]
+def solver_value_kind(key, default, options=SolverOptions):
+    """What --solver-opt (or --exchange-opt, options=ExchangeOptions) KEY takes, from the type of
+    KEY's default: "switch" (on/off) for a bool, "auto-or-switch" for a field that defaults to
+    "auto" without being typed str (capturable), else the default's type name (int, float, str)."""
+    field_type = {f.name: f.type for f in fields(options)}[key]
     if isinstance(default, bool):
         return "switch"
     if default == "auto" and field_type not in (str, "str"):
@@ -172,7 +165,6 @@ class SolverPlan:
     polar_steps: int     # POLAR_SCHEDULE steps of ADMM's starting polar factor (all, at every precision)
                          # and of the online scheme's sign (one fewer where it sharpens: solver.online_sign_steps)
     exact_sign: tuple    # square Stiefel's msign: ("minimax", 7) at TF32, else ("polar-express", 5 + 2)
-    grad_wire: str = "float32"  # the sharded exchange's dtype for G ("bfloat16": exchange_grad bf16)
 
     @property
     def tf32(self):
@@ -181,10 +173,6 @@ class SolverPlan:
     @property
     def sign_torch_dtype(self):
         return getattr(torch, self.sign_dtype)
-
-    @property
-    def grad_wire_dtype(self):
-        return getattr(torch, self.grad_wire)
 
     def as_dict(self):
         """A JSON-able record (config.json's "solver")."""
@@ -241,10 +229,7 @@ def plan_for(options, device, dtype=torch.float32):
             raise ValueError("the reference solver reads values on the host: it cannot be capturable")
         capturable = False
     exact_sign = ("minimax", len(EXACT_SCHEDULE)) if precision == "tf32" else ("polar-express", sum(EXACT_PE_STEPS))
-    # bf16 G halves the out exchange; its rounding (2^-9 relative) is below what the bf16 signs of a
-    # GPU's step already round (docs/distributed.md)
-    bf16_wire = options.exchange_grad == "bf16" or (options.exchange_grad == "auto" and cuda)
     return SolverPlan(options=options, device=device.type, backend=backend, clip=clip, precision=precision,
                       sign_dtype="float32" if full else "bfloat16", capturable=bool(capturable),
                       clip_steps=len(CLIP_SCHEDULE) - (0 if full else 1), polar_steps=len(POLAR_SCHEDULE),
-                      exact_sign=exact_sign, grad_wire="bfloat16" if bf16_wire else "float32")
+                      exact_sign=exact_sign)

@@ -146,7 +146,9 @@ def test_a_syncing_step_is_counted_by_a_real_run(tmp_path):
 def test_solver_opts_reach_the_trainer_and_bad_ones_are_user_errors():
     args = cost_model.parse_args(["--solver-opt", "capturable=off", "--solver-opt", "iterations=5"])
     targs = cost_model.trainer_args(args)
-    assert targs.solver_options == {"clip": "polynomial", "capturable": False, "exchange_grad": "bf16", "iterations": 5}
+    assert targs.solver_options == {"clip": "polynomial", "capturable": False, "iterations": 5}
+    targs = cost_model.trainer_args(cost_model.parse_args(["--exchange-opt", "resident=on"]))
+    assert targs.exchange_options == {"resident": True} and "resident" not in targs.solver_options
     assert targs.solver_precision == "tf32" and targs.kernels == "torch"
     with pytest.raises(UserError, match="clip"):
         cost_model.trainer_args(cost_model.parse_args(["--solver-opt", "clip=svd"]))

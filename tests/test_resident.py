@@ -3,7 +3,7 @@ cannot go stale: weights and warm starts written outside the step, by any route,
 
 One launch of 2 gloo ranks, a tiny Llama (hetero) under FSDP2 (fully_shard per layer and at the
 root over a CPU mesh). Each case trains 2 steps, changes the shards in place, and trains 2 more,
-once with resident copies (--solver-opt resident=on) and once without (every W and warm start
+once with resident copies (--exchange-opt resident=on) and once without (every W and warm start
 sent each step): the two must end bit for bit equal, and the run with copies must have used them
 (fewer bytes received in a steady step). The edits are the ones version counters do not see:
 p.data.mul_, the local tensor's .data, torch.distributed.checkpoint's in-place load of the model
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from gloo_ranks import end_rank_process, run_ranks
 from manifolds import ManifoldMuon, manifold_param_groups
+from manifolds.exchange import ExchangeOptions
 from manifolds.plan import SolverOptions
 
 transformers = pytest.importorskip("transformers")
@@ -167,9 +168,9 @@ def test_resident_copies_see_every_in_place_write(results, kind):
 
 @pytest.mark.parametrize("text, value", [("off", False), ("on", True), ("False", False), ("true", True)])
 def test_a_switch_given_as_a_string_is_parsed_as_the_cli_parses_it(text, value):
-    assert SolverOptions.from_kwargs(resident=text).resident is value
+    assert ExchangeOptions.from_kwargs(resident=text).resident is value
     assert SolverOptions.from_kwargs(sharpen=text).sharpen is value
-    assert ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], overlap=text).options.overlap is value
+    assert ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], overlap=text).exchange.options.overlap is value
 
 
 def test_other_options_given_as_strings_are_parsed_or_refused():
@@ -179,7 +180,7 @@ def test_other_options_given_as_strings_are_parsed_or_refused():
     for bad in ({"resident": "no"}, {"resident": "1"}, {"iterations": "three"}, {"iterations": "2.5"},
                 {"dual_step": "nan"}, {"capturable": "yes"}, {"iterations": "-1"}, {"resident": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            SolverOptions.from_kwargs(**bad)
+            (ExchangeOptions if "resident" in bad else SolverOptions).from_kwargs(**bad)
     with pytest.raises(ValueError, match="resident"):
         ManifoldMuon([torch.nn.Parameter(torch.zeros(4, 2))], resident="of")
 

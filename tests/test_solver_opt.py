@@ -39,12 +39,13 @@ def other_value(key, default):
     return None
 
 
-def test_help_lists_every_key_with_its_default_and_at_most_53_flags():
+def test_help_lists_every_key_with_its_default_and_at_most_54_flags():
     # 48 until sharded training added --model, --fsdp and --fsdp-shard-ranks, 53 with
-    # --manifold-module and --fsdp-grad-sync; solver knobs stay --solver-opt keys, not flags
+    # --manifold-module and --fsdp-grad-sync, 54 with --exchange-opt (the exchange's settings apart
+    # from the solver's); solver knobs stay --solver-opt keys, not flags
     parser = train_gpt2.build_parser()
     flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
-    assert len(flags) <= 53, [a.option_strings[0] for a in flags]
+    assert len(flags) <= 54, [a.option_strings[0] for a in flags]
     text = " ".join(parser.format_help().split())  # argparse wraps lines
     for key, default in DEFAULTS.items():
         assert f"{key}={show_value(default)}" in text
@@ -116,3 +117,32 @@ def test_a_resumed_run_applies_its_own_solver_options():
     assert (getattr(muon.options, INT_KEY), muon.options.precision) == (after, "tf32")
     model, muon, adamw, args = build("--solver-opt", f"{INT_KEY}={before}")
     assert restore(payload, model, adamw, muon, args) == {}
+
+
+# --- the exchange's settings: --exchange-opt KEY=VALUE (manifolds/exchange.py's ExchangeOptions) ---
+
+def test_exchange_settings_have_their_own_flag_and_reach_the_exchange():
+    from manifolds.exchange import ExchangeOptions
+    assert set(DEFAULTS).isdisjoint(ExchangeOptions.keys())  # not --solver-opt keys
+    text = " ".join(train_gpt2.build_parser().format_help().split())
+    for key in ExchangeOptions.keys():
+        default = getattr(ExchangeOptions(), key)
+        assert f"{key}={show_value(default)}" in text
+    _, muon, _, args = build("--exchange-opt", "overlap=off", "--exchange-opt", "resident=on",
+                             "--exchange-opt", "exchange_grad=bf16")
+    assert args.exchange_options == {"overlap": False, "resident": True, "exchange_grad": "bf16"}
+    assert muon.exchange.options == ExchangeOptions(overlap=False, exchange_grad="bf16", resident=True)
+    assert muon.exchange.grad_dtype == torch.bfloat16
+    assert build()[1].exchange.options == ExchangeOptions()
+
+
+@pytest.mark.parametrize("item", ["resident=on", "overlap=off", "exchange_grad=bf16"])
+def test_an_exchange_setting_given_to_solver_opt_names_exchange_opt(item):
+    with pytest.raises(UserError, match=f"--exchange-opt {item}"):
+        build("--solver-opt", item)
+
+
+@pytest.mark.parametrize("item", ["resident=maybe", "nonsense=1", "exchange_grad=fp16", "overlap"])
+def test_a_bad_exchange_opt_is_one_error_naming_it(item):
+    with pytest.raises(UserError, match="--exchange-opt"):
+        build("--exchange-opt", item)
