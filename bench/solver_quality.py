@@ -16,7 +16,7 @@ last step's problem (manifolds/optimum.py, certified by duality; its certified g
         (solve_tall with the carried state, as ManifoldMuon runs it), scored at the last step;
   cold  manifolds.steepest_direction on the last step (the one-shot public API, no warm start).
 Worst / mean over the seeds. The plan is the CPU's with a GPU's control flow (capturable: fixed
-budgets, no host reads), fp32.
+budgets, no host reads), fp32 (--precision tf32: a GPU's default precision, emulated).
 """
 import argparse
 
@@ -59,20 +59,20 @@ def case(rows, cols, manifold, decay, seed, steps, spread=0.3):
     return W.float()[None], Gs
 
 
-def scheme_plan(scheme):
-    return plan_for(SolverOptions(scheme=scheme, capturable=True), "cpu")
+def scheme_plan(scheme, precision="fp32"):
+    return plan_for(SolverOptions(scheme=scheme, capturable=True, precision=precision), "cpu")
 
 
-def warm_quality(W, Gs, manifold, scheme, opt):
-    geo, plan, state = geometry(manifold), scheme_plan(scheme), None
+def warm_quality(W, Gs, manifold, scheme, opt, precision="fp32"):
+    geo, plan, state = geometry(manifold), scheme_plan(scheme, precision), None
     for G in Gs:
         solution = solve_tall(W, G, geo, state, plan)
         state = solution.warm_start
     return quality(W[0], Gs[-1][0], solution.A[0], opt)
 
 
-def cold_quality(W, G, manifold, scheme, opt):
-    A = steepest_direction(W[0], G[0], manifold, scheme=scheme, capturable=True)
+def cold_quality(W, G, manifold, scheme, opt, precision="fp32"):
+    A = steepest_direction(W[0], G[0], manifold, scheme=scheme, capturable=True, precision=precision)
     return quality(W[0], G[0], A, opt)
 
 
@@ -86,6 +86,9 @@ def main(argv=None):
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--steps", type=int, default=4, help="drifting steps of the warm sequence")
     ap.add_argument("--reference-iters", type=int, default=3000)
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32"),
+                    help="the solver's precision (tf32: a GPU's default, its TF32 products emulated on the CPU by "
+                         "rounding their operands; the signs then run in bf16)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     header = "case (rows x cols manifold decay) | " + " | ".join(f"{s} warm | {s} cold" for s in args.schemes)
@@ -100,8 +103,8 @@ def main(argv=None):
                 opt, upper = optimum(W[0], Gs[-1][0], manifold, iters=args.reference_iters, in_span=manifold != "oblique")
                 gaps.append((upper - opt) / upper)
                 for s in args.schemes:
-                    cells[(s, "warm")].append(warm_quality(W, Gs, manifold, s, opt))
-                    cells[(s, "cold")].append(cold_quality(W, Gs[-1], manifold, s, opt))
+                    cells[(s, "warm")].append(warm_quality(W, Gs, manifold, s, opt, args.precision))
+                    cells[(s, "cold")].append(cold_quality(W, Gs[-1], manifold, s, opt, args.precision))
             text = " | ".join(f"{min(v):.4f} / {sum(v) / len(v):.4f}" for v in cells.values())
             print(f"{rows}x{cols} {manifold} {decay:g} | {text}   (reference gap <= {max(gaps):.0e})", flush=True)
 

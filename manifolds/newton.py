@@ -50,12 +50,22 @@ Measured (bench/solver_quality.py, fp32 CPU, worst of 3 seeds at 96 x 32 and 192
 warm 0.9875-0.9998 (online 0.937-0.981, ADMM 0.993-0.9999), cold 0.9984-1.0000. Cheaper budgets
 fall short: 1 warm step 0.968-0.984 (4 CG steps), 2 CG steps 0.975-0.995 (2 warm steps).
 What it costs, and where it falls short (not yet the training default):
-* FLOPs: 8.94x the field's Muon for hetero (python -m bench.flop_ratio --solver-opt scheme=newton;
-  online 2.34x); the estimate one H200 1.83 of a forward+backward (python -m bench.cost_model --fake
-  --solver-opt scheme=newton; online 0.11). 61% of it is dN: the derivative of the 6-step polar
-  iteration costs ~33 q x q products a Jacobian product (the primal N 22), and every product here is
-  IEEE fp32, the Gram squaring X's condition. An eigendecomposition of Y would make J V a few
+* FLOPs: 8.95x the field's Muon for hetero (python -m bench.cost_model --fake --solver-opt
+  scheme=newton; online 2.35x); 61% of it is dN: the derivative of the 6-step polar iteration
+  costs ~33 q x q products a Jacobian product (the primal N 22). Under a TF32 plan (a GPU's
+  default) J V's products run at TF32 (JACOBIAN_TF32; quality unchanged at emulated TF32:
+  python -m bench.solver_quality --schemes newton --seeds 0 1 2 --precision tf32, warm
+  0.9875-0.9998, cold 0.9980-1.0000); the estimate on one H200 is then 0.869 of a forward+backward
+  (1.831 with them at IEEE fp32; online 0.103): still 8x the online step. N, F and the answer stay
+  IEEE fp32 (the Gram squares X's condition). An eigendecomposition of Y would make J V a few
   products, but on a GPU it reads LAPACK's status on the host and runs sequentially.
+* The price floor of any warm scheme with one evaluation per step (float64, 96 x 32, the drifting
+  sequence from a converged multiplier): the answer formed at the carried multiplier before its
+  update scores 0.915-0.924 however the multiplier is updated (first-order 0.915, EXACT Newton
+  0.921-0.924): the momentum's drift between steps moves the optimum that far. An exact Newton
+  step followed by a second sign at the updated multiplier scores 0.971-0.974. >= 0.99 warm
+  needs the multiplier re-solved at this step's G before the answer is formed: at least two
+  evaluations (N) plus the Jacobian work, which is what 2 warm Newton steps buy.
 * Momenta of rank << q (rank 4 of 16 plus noise): X* then keeps singular values below the polar
   schedule's band (0.005 of the top), where N is not Y^(-1/2); Newton converges to the fixed point
   of that approximate map, 0.84-0.87 of the optimum cold (online 0.91-0.95, ADMM 0.99).
@@ -125,18 +135,19 @@ def inverse_sqrt(Y, schedule=POLAR_SCHEDULE, scale=None):
     return M, (trace, scale, schedule)
 
 
-def inverse_sqrt_jvp(dY, cache):
-    """dN = N'(Y)[dY] of the map inverse_sqrt computes (its scale f held fixed)."""
+def inverse_sqrt_jvp(dY, cache, mm=torch.matmul):
+    """dN = N'(Y)[dY] of the map inverse_sqrt computes (its scale f held fixed). mm: the product
+    (kernels.matmul at TF32 under a TF32 plan: newton_step)."""
     trace, scale, schedule = cache
     dZ = dY / scale
     dM = torch.zeros_like(dY)
     for k, ((M, Z, P, PZ), (a, b, c)) in enumerate(zip(trace, schedule)):
-        ZdZ = Z @ dZ
+        ZdZ = mm(Z, dZ)
         dP = b * dZ + c * (ZdZ + ZdZ.mT)  # Z and dZ symmetric: dZ Z = (Z dZ)^T
-        dM_next = (M @ dP) if k == 0 else dM @ P + M @ dP  # dM_0 = 0
+        dM_next = mm(M, dP) if k == 0 else mm(dM, P) + mm(M, dP)  # dM_0 = 0
         if PZ is not None:
-            T = dP @ PZ.mT  # dP Z P; P Z dP is its transpose (Z, P, dP symmetric)
-            dZ = T + T.mT + P @ dZ @ P
+            T = mm(dP, PZ.mT)  # dP Z P; P Z dP is its transpose (Z, P, dP symmetric)
+            dZ = T + T.mT + mm(mm(P, dZ), P)
         dM = dM_next
     return dM
 
@@ -150,23 +161,29 @@ def rms_singular(Y):
         ..., None, None]
 
 
-def jacobian_product(model, K, N, cache, V):
+def jacobian_product(model, K, N, cache, V, mm=torch.matmul):
     """J V = P(dK N + N dK^T + K dN + dN K^T), dK = 2 Wg V, dN = N'(Y)[2 (K^T V + V K)]."""
-    KtV = K.mT @ V
-    dN = inverse_sqrt_jvp(2.0 * (KtV + KtV.mT), cache)
-    T = 2.0 * (model.gram_times(V) @ N) + K @ dN
+    KtV = mm(K.mT, V)
+    dN = inverse_sqrt_jvp(2.0 * (KtV + KtV.mT), cache, mm)
+    T = 2.0 * mm(model.gram_times(V), N) + mm(K, dN)
     return model.projector(T + T.mT)
 
 
-def newton_step(model, Lam, cg_steps, damping, schedule=POLAR_SCHEDULE, kappa=0.0):
+def newton_step(model, Lam, cg_steps, damping, schedule=POLAR_SCHEDULE, kappa=0.0, jacobian_mm=torch.matmul):
     """(Lambda + V, F, N) : V from cg_steps of preconditioned CG on (J + mu Dg) V = -F at Lambda,
-    Dg = 2 (d_i^2 + d_j^2) / s (elementwise; the first-order model of J), mu = damping."""
+    Dg = 2 (d_i^2 + d_j^2) / s (elementwise; the first-order model of J), mu = damping.
+
+    jacobian_mm: the products of J V (dN's recursion and its two outer products), the CG's only
+    q x q work: at TF32 (kernels.matmul inside kernels.tf32_products) they cost a quarter of IEEE
+    fp32's time on a GPU (198 vs 50 TFLOP/s). Rounding J V by ~1e-3 makes the step an inexact
+    Newton step: the residual F it solves for, N and the answer stay fp32, so the fixed point is
+    unchanged and the next step corrects the rounding of this one."""
     K, Y = model.cross(Lam), model.gram(Lam)
     N, cache = inverse_sqrt(Y, schedule)
     F = model.residual(K, N)
     Dg = 2.0 * model.pair / rms_singular(Y)
     precondition = lambda R: model.projector(R / ((1.0 + damping) * Dg))  # noqa: E731
-    apply = lambda V: jacobian_product(model, K, N, cache, V) + damping * Dg * V  # noqa: E731
+    apply = lambda V: jacobian_product(model, K, N, cache, V, jacobian_mm) + damping * Dg * V  # noqa: E731
     tiny = torch.finfo(Lam.dtype).tiny
     dot = lambda A, B: (A * B).sum(dim=(-2, -1), keepdim=True)  # noqa: E731
     V = torch.zeros_like(Lam)
@@ -202,6 +219,7 @@ NEWTON_COLD = 6     # ... from the Euclidean projection's (the first step, steep
 CG_STEPS = 4        # conjugate-gradient steps per Newton step
 DAMPING = 0.2       # Levenberg-Marquardt mu, relative to the first-order model Dg
 STEP_DAMPING = 3.0  # kappa of the damped step 1 / (1 + kappa (delta^2 / phi)^(1/2))
+JACOBIAN_TF32 = True  # J V's products at TF32 under a TF32 plan (newton_step's jacobian_mm)
 
 
 def bank_model(W, G, geo, d2, backend):
@@ -244,8 +262,13 @@ def newton_direction(W, G, geo, correction, plan, warm_steps=None, cold_steps=No
     Lam = incoming - 0.5 * M0
     steps = (NEWTON_WARM if warm_steps is None else warm_steps) if warm else (
         NEWTON_COLD if cold_steps is None else cold_steps)
-    for _ in range(steps):
-        Lam, _, _ = newton_step(model, Lam, CG_STEPS, DAMPING, kappa=STEP_DAMPING)
+    # under a TF32 plan (a GPU's default) J V's products read TF32 operands (newton_step); F, N and
+    # the answer stay IEEE fp32
+    low = plan.tf32 and JACOBIAN_TF32
+    jacobian_mm = (lambda A, B: kernels.matmul(A, B, backend=plan.backend)) if low else torch.matmul  # noqa: E731
+    with kernels.tf32_products(low):
+        for _ in range(steps):
+            Lam, _, _ = newton_step(model, Lam, CG_STEPS, DAMPING, kappa=STEP_DAMPING, jacobian_mm=jacobian_mm)
     K, Y = model.cross(Lam), model.gram(Lam)
     N, _ = inverse_sqrt(Y)
     F = model.residual(K, N)

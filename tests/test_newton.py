@@ -149,3 +149,27 @@ def test_steps_stay_on_the_manifold_and_read_nothing_on_the_host():
             for p in group["params"]:
                 assert manifold_violation(p.detach(), group["manifold"]) < 1e-6
     assert reads.count == 0
+
+
+def test_jacobian_products_run_at_tf32_under_a_tf32_plan_and_still_reach_the_optimum():
+    # a GPU's default plan (precision tf32): the CG's Jacobian products read TF32 operands (emulated
+    # here by kernels.precision's rounding; a quarter of IEEE fp32's time in bench.cost_model), while
+    # F, N and the answer stay fp32: the step is inexact Newton and still reaches the optimum
+    from bench.op_count import OpCounter, triton_attribution
+    p, q = 48, 16
+    W, g = point(p, q, "dgram", 4)
+    Gs = drifting(p, q, g, 3)
+    geo = geometry("dgram")
+    plan = plan_for(SolverOptions(scheme="newton", capturable=True, precision="tf32"), "cpu")
+    state = None
+    for G in Gs[:-1]:
+        state = solve_tall(W[None], G[None], geo, state, plan).warm_start
+    counter = OpCounter()
+    with counter, triton_attribution(counter):
+        solution = solve_tall(W[None], Gs[-1][None], geo, state, plan)
+    tf32 = sum(f for label, f in counter.flops.items() if "tf32" in label and "x3" not in label)
+    assert tf32 > 0.5 * sum(counter.flops.values()), dict(counter.flops)
+    opt, _ = optimum(W, Gs[-1], "dgram", in_span=True)
+    warm = quality(W, Gs[-1], solution.A[0], opt)
+    cold = quality(W, Gs[-1], steepest_direction(W, Gs[-1], "dgram", scheme="newton", precision="tf32"), opt)
+    assert warm >= 0.99 and cold >= 0.99, (warm, cold)
