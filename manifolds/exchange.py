@@ -53,12 +53,16 @@ from manifolds.sharded import (digest, dual_rows, is_sharded, keeps_warm_start, 
                                piece_parts, shard_layout, warm_shape, wire_bytes)
 from manifolds.step_cost import piece_cost
 
-# The exchange goes in buckets of pieces, each at most this many elements of W per owner (or one
-# piece): what an owner holds at once (W, G and Lambda received, the same assembled, the new W and
-# Lambda sent back: about 3 (2 |W| + |Lambda|) fp32) is bounded by a bucket, not by all of its
-# matrices. 2^24 elements (64 MiB of fp32 W) per rank (bench/memory.py counts what it holds;
-# tests/test_sharded_plan.py pins the buckets of the GPT-2 presets)
-EXCHANGE_BUCKET = 1 << 24
+# The sharded exchange goes in buckets of pieces, each at most this many elements of W per owner
+# (or one piece): what an owner holds at once (W, G and Lambda received, the same assembled, the
+# new W and Lambda sent back: about 3 (2 |W| + |Lambda|) fp32) is bounded by a bucket, not by all
+# of its matrices. Each bucket is one solver call, which repeats the solver's per-bank launches, so
+# the size trades memory for launches (docs/distributed.md): 2^25 elements (128 MiB of fp32 W) per
+# rank; GPT-2 XL --fsdp at 8 ranks (python -m bench.cost_model --fake --fsdp --model gpt2-xl
+# --world-size 8 --exchange-bucket N; python -m bench.memory): 2^24 16 buckets, R 0.339, 3341 MiB
+# per rank (899 in flight); 2^25 6 buckets, R 0.293, 3936 MiB (1494); 2^26 3 buckets, R 0.282,
+# 5196 MiB (2754). tests/test_sharded_plan.py pins the buckets of the GPT-2 presets.
+EXCHANGE_BUCKET = 1 << 25
 
 
 # --- settings ------------------------------------------------------------------------------------
