@@ -261,3 +261,29 @@ def test_ddp_buckets_are_whole_banks_few_and_the_largest_first(model, ranks, siz
     assert all(len(pieces) == whole[name] for bucket in group.buckets for name, pieces in bucket)
     numel = [sum(exchange.piece_numel(p) for _, pieces in bucket for p in pieces) for bucket in group.buckets]
     assert numel == sorted(numel, reverse=True)
+
+
+def test_the_statistics_are_packed_in_two_launches_with_the_element_writes_values():
+    """Exchange._pack_stats: one stack and one copy (a fill and one write per value before: 15
+    launches for GPT-2's 5 banks), the same fp32 values as writing each (ints, fp32 and fp64
+    tensors and Python numbers), -inf for a bank this rank did not solve."""
+    from bench.op_count import OpCounter
+    from manifolds.plan import SolverOptions, plan_for
+    ex = exchange.Exchange(exchange.ExchangeOptions(), plan_for(SolverOptions(), "cpu"))
+    ex.stats = {"a": {"iterations": torch.tensor(3), "residual": torch.tensor(1 / 3, dtype=torch.float64),
+                      "fallbacks": 0},
+                "c": {"iterations": 7, "residual": torch.tensor(0.1), "fallbacks": torch.tensor(2.0)}}
+    names = ["a", "b", "c"]
+    expected = torch.full((3, exchange.STATS), -float("inf"))
+    for i, name in enumerate(names):
+        for j, field in enumerate(exchange.STAT_FIELDS):
+            if name in ex.stats:
+                expected[i, j] = ex.stats[name][field]
+    ex._pack_stats(names, "cpu")  # the kept -inf and numbers made once
+    out = torch.zeros(3, exchange.STATS)
+    counter = OpCounter()
+    with counter:
+        ex._pack_stats(names, "cpu", out)
+    assert torch.equal(out, expected)
+    assert torch.equal(ex._pack_stats(names, "cpu"), expected)
+    assert sum(counter.kernels.values()) <= 2, counter.kernels
