@@ -59,6 +59,17 @@ What it costs, and where it falls short (not yet the training default):
   (1.831 with them at IEEE fp32; online 0.103): still 8x the online step. N, F and the answer stay
   IEEE fp32 (the Gram squares X's condition). An eigendecomposition of Y would make J V a few
   products, but on a GPU it reads LAPACK's status on the host and runs sequentially.
+* Cheaper warm budgets (TF32 plan; quality: bench.solver_quality --schemes newton --seeds 0 1 2
+  --precision tf32 on 96x32 Stiefel/DGram and 192x64 DGram, decays 1 and 2, worst of 3 seeds;
+  cost: bench.cost_model --fake --solver-opt scheme=newton with NEWTON_WARM / CG_STEPS set):
+      warm steps x CG   warm quality    FLOPs vs Muon   launches   one-H200 ratio
+      2 x 4 (default)   0.9875-0.9998   8.95x           2827       0.869
+      2 x 2             0.9744-0.9909   5.95x           1947       0.675
+      1 x 4             0.9633-0.9781   5.42x           1715       0.552
+      1 x 2             0.9430-0.9661   3.92x           1275       0.455
+      online            0.936-0.977     2.35x            473       0.103
+  None reaches the target (>= 0.99 at <= 2.5x, ratio <= 0.10): the two IEEE fp32 N evaluations
+  (~22 q x q products each, ~16 ms) alone cost more than the online step.
 * The price floor of any warm scheme with one evaluation per step (float64, 96 x 32, the drifting
   sequence from a converged multiplier): the answer formed at the carried multiplier before its
   update scores 0.915-0.924 however the multiplier is updated (first-order 0.915, EXACT Newton
