@@ -275,6 +275,11 @@ def count_all(args, fake):
     """{world size: [summary per rank]}, plus the model's matmul parameter count, the per-rank
     ownership and the optimizer's SolverPlan. Raises FAKE_ERRORS when `fake` and the step reads
     device values."""
+    # the solver's kept constants (kernels.constants) start empty, as in a fresh process: kept
+    # ones of earlier counts (other fake modes) would fill its bounded store, which drops them all
+    # when full, so that a count's launches would depend on what this process counted before
+    from kernels import constants
+    constants._KEPT.clear()
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with mode:
         model, opt, params, grads = build(args, fake)
@@ -475,6 +480,8 @@ def sharded_line(args, world_size, ranks, fb, plan, ddp_seconds):
     loads = exchange.bucket_loads(bucketed, owners, plan, world_size)
     compute = sum(estimate(r)["compute"] for r in ranks)  # every rank's share, summed
     per_bucket = [compute * max(load) / sum(sum(load) for load in loads) for load in loads]
+    # what the step waits on: each bucket's most loaded owner, summed, over the mean load
+    step_balance = sum(max(load) for load in loads) * world_size / sum(sum(load) for load in loads)
     fsdp_compute = sum(per_bucket)
     # a steady step: G in the plan's wire dtype out, W and Lambda back (exchange.py), inside the
     # shard group: a replica group carries the pieces its replica owns, 1/R of them
@@ -507,13 +514,15 @@ def sharded_line(args, world_size, ranks, fb, plan, ddp_seconds):
     events += [("wait", ("back", b), clock) for b in range(len(per_bucket))]
     fsdp_seconds, transfer = overlapped(events, fsdp_compute)
     serial = fsdp_compute + transfer
-    line = {"bucket_balance": balance, "buckets": len(bucketed), "bytes_per_rank": received,
+    line = {"bucket_balance": balance, "step_balance": step_balance, "buckets": len(bucketed),
+            "bytes_per_rank": received,
             "shard_ranks": shard_ranks, "replicas": replicas, "compute_seconds": fsdp_compute,
             "transfer_seconds": transfer, "optimizer_seconds": fsdp_seconds, "ratio": fsdp_seconds / fb["seconds"],
             "serial_ratio": serial / fb["seconds"], "ddp_ratio": ddp_seconds / fb["seconds"]}
     mesh = (f", HSDP {replicas} replicas x {shard_ranks} shards, each matrix solved once per job, replica "
             f"all-gather {replica / 1e9:.2f} GB of it" if replicas > 1 else "")
-    print(f"\nworld size {world_size}, --fsdp ({len(bucketed)} exchange buckets{mesh}; ESTIMATE: the counted ranks' "
+    print(f"\nworld size {world_size}, --fsdp ({len(bucketed)} exchange buckets{mesh}; the buckets' most loaded owners "
+          f"summed {step_balance:.3f} of the mean load; ESTIMATE: the counted ranks' "
           f"compute summed and spread over the buckets as their owners carry it; the exchange's bytes at "
           f"{rate / 1e9:.0f} GB/s, each bucket's in proportion to its elements, out and back async and "
           f"double-buffered, {1e3 * transfer:.2f} ms in all; serial, no overlap: "

@@ -47,7 +47,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from kernels import constants
 from manifolds import step_cost
 from manifolds.solver import STAT_FIELDS, STATS
 from manifolds.sharded import (digest, dual_rows, is_sharded, keeps_warm_start, local, piece_box,
@@ -143,11 +142,21 @@ def buckets(banks, ranks):
     bucket's owners can be balanced exactly (bucket_owners): a bank's pieces (one shape) go in
     runs of k x ranks, k the pieces one rank may hold within EXCHANGE_BUCKET elements (at least
     one: a larger piece gets a bucket row of its own), the last run the largest multiple of
-    `ranks` left, then the pieces left over (fewer than `ranks` per bank); runs and pieces fill
-    buckets in that order up to `ranks` x EXCHANGE_BUCKET elements (or `ranks` largest pieces).
-    Buckets cut by element count alone split banks anywhere, and their owners waited on the most
-    loaded one (GPT-2 XL hetero at 8 ranks: 17 QKV pieces landing 3 vs 2 per rank); a bucket of
-    whole runs gives every rank the same pieces of each bank."""
+    `ranks` left, then the pieces left over (fewer than `ranks` per bank). Where every piece
+    fits in half a bucket (`ranks` x EXCHANGE_BUCKET / 2 elements, or `ranks` largest pieces)
+    they are one bucket: a second would not pay for its solver call (GPT-2 small --fsdp at 8
+    ranks: 0.250 of forward+backward in one, 0.321 cut). Otherwise the pieces left over fill
+    buckets of their own first, then the runs (each filling buckets up to the whole limit), so
+    that the pieces of several shapes left over are balanced together, not beside a run that
+    gives each rank one piece already: HSDP 8 x 8 GPT-2 XL, where 48 QKV, 48 attention
+    projections and 32 of the 96 MLP pieces are left over for 64 owners, cut this way is two
+    buckets whose owners' sum of most loaded loads is that of one bucket (1.065 of the mean;
+    cut as runs then pieces in one sequence: worst bucket 1.416), and the first bucket's
+    exchange overlaps the second's solve (python -m bench.cost_model --fake --fsdp
+    --fsdp-shard-ranks 8 --model gpt2-xl --world-size 64: 0.462 -> 0.429; the pieces left over
+    last: 0.438). Buckets cut by element count alone split banks anywhere, and their owners
+    waited on the most loaded one (GPT-2 XL hetero at 8 ranks: 17 QKV pieces landing 3 vs 2 per
+    rank); a bucket of whole runs gives every rank the same pieces of each bank."""
     units = []  # runs of one bank (k x ranks pieces), then the pieces left over, in bank order
     rest = []
     for name, pieces in banks:
@@ -159,17 +168,23 @@ def buckets(banks, ranks):
             start += size
         rest.extend((name, [piece]) for piece in pieces[start:])
     limit = ranks * max([EXCHANGE_BUCKET] + [piece_numel(piece) for _, pieces in banks for piece in pieces])
-    out, current, size = [], OrderedDict(), 0
-    for name, unit in units + rest:
-        numel = sum(piece_numel(piece) for piece in unit)
-        if size and size + numel > limit:
+
+    def fill(items):
+        out, current, size = [], OrderedDict(), 0
+        for name, unit in items:
+            numel = sum(piece_numel(piece) for piece in unit)
+            if size and size + numel > limit:
+                out.append(list(current.items()))
+                current, size = OrderedDict(), 0
+            current.setdefault(name, []).extend(unit)
+            size += numel
+        if current:
             out.append(list(current.items()))
-            current, size = OrderedDict(), 0
-        current.setdefault(name, []).extend(unit)
-        size += numel
-    if current:
-        out.append(list(current.items()))
-    return out
+        return out
+
+    if 2 * sum(piece_numel(piece) for _, pieces in banks for piece in pieces) <= limit:
+        return fill(units + rest)
+    return fill(rest) + fill(units)
 
 
 def replicated_buckets(banks, ranks):
@@ -421,20 +436,24 @@ class Exchange:
 
     def _pack_stats(self, names, device, out=None):
         """(len(names), STATS) of this rank's share of each bank (-inf where it solved none): one
-        stack of the values (tensors, not floats: no device sync; a Python number, or the -inf, a
-        kept 0-dim tensor) and one copy into `out`, not a fill and an element write per value (15
-        launches for GPT-2's 5 values x 3 fields). The stack promotes exactly (integers and fp32 to
-        at most fp64) and the copy rounds to fp32 as the element writes did."""
-        like = torch.empty((), dtype=torch.float32, device=device) if out is None else out
+        stack of the values (tensors, not floats: no device sync; each distinct Python number, the
+        solver's fixed iteration counts and the -inf, one 0-dim fill made here, not kept across
+        steps, so that a step's launches do not depend on the steps before it) and one copy into
+        `out`, not a fill and an element write per value (10 launches for GPT-2's 3 banks). The
+        stack promotes exactly (integers and fp32 to at most fp64) and the copy rounds to fp32 as
+        the element writes did."""
+        numbers = {}
         values = []
         for name in names:
             stats = self.stats.get(name)
             for field in STAT_FIELDS:
                 value = stats[field] if stats is not None else -float("inf")
                 if not torch.is_tensor(value):
-                    value = constants.scalar(float(value), like)
-                if value.device != like.device:  # the reference solver's host statistics
-                    value = value.to(like.device)
+                    if value not in numbers:
+                        numbers[value] = torch.full((), float(value), dtype=torch.float32, device=device)
+                    value = numbers[value]
+                if value.device != torch.device(device):  # the reference solver's host statistics
+                    value = value.to(device)
                 values.append(value.reshape(()))
         packed = torch.stack(values).view(len(names), STATS)
         if out is None:

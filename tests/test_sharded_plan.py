@@ -19,7 +19,7 @@ def plan_of(model, ranks, assign="hetero"):
 
 # (model, ranks): buckets, and the worst bucket's most loaded owner over its mean (step_cost.piece_cost)
 # as measured; GPT-2 small at 64 ranks has 48 pieces for 64 ranks: its largest piece sets the time
-PINNED = {("gpt2", 8): (1, 1.035), ("gpt2-xl", 8): (6, 1.000), ("gpt2-xl", 64): (1, 1.065)}
+PINNED = {("gpt2", 8): (1, 1.035), ("gpt2-xl", 8): (6, 1.000), ("gpt2-xl", 64): (2, 1.110)}
 
 
 @pytest.mark.parametrize("model,ranks", list(PINNED))
