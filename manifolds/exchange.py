@@ -4,9 +4,10 @@ statistics. One loop (`Exchange.step`) for three layouts:
 
   local       one process: every piece solved here, all banks in one call;
   replicated  DDP (parameters whole on every rank): each bucket's pieces balanced over the N ranks;
-              each owner solves its share from what it holds, and one all-gather per bucket brings
-              every rank every new W, each followed by its new warm start (fp32, padded to the
-              largest rank's share), so that every rank holds the whole state;
+              each owner solves its share from what it holds, and one all-gather per bank of the
+              bucket, posted as soon as the solve has finished that bank, brings every rank every
+              new W, each followed by its new warm start (fp32, padded to the largest rank's
+              share), so that every rank holds the whole state;
   sharded     FSDP2 / HSDP DTensors (manifolds/sharded.py has their geometry): each bucket's pieces
               balanced over ALL R x S ranks of the mesh (R replica groups of S shards; R = 1 under
               FSDP2), owner (r, s);
@@ -196,7 +197,7 @@ def replicated_buckets(banks, ranks):
     that a bucket's all-gather overlaps the next bucket's solve. Each bucket is one solver call,
     and the solver's launches are per bank and per call (a bank cut over 16 buckets repeats
     them 16 times: GPT-2 XL at 8 ranks, 3,787 launches where one call takes 820), so a bank is
-    never cut; the last bucket's gather is the one left exposed, hence the smallest last.
+    never cut; the last bucket's gathers (one per bank) are the ones left exposed, hence the smallest last.
     GPT-2 small hetero at 8 ranks: [dgram 3072x768 x 24], [stiefel 2304x768 x 12 + 768x768 x 12];
     GPT-2 XL: one bucket per bank (48, 48 and 96 pieces)."""
     out, current = [], []
@@ -467,10 +468,16 @@ class Exchange:
         self.stats = {name: {"iterations": largest[i, 0], "residual": largest[i, 1], "fallbacks": fallbacks[i]}
                       for i, name in enumerate(names)}
 
-    def _solve(self, io, banks, matrices):
-        solved = io.solve(banks, matrices) if banks else []
-        for (name, _), (_, _, _, stats) in zip(banks, solved):
-            self._merge(name, stats)
+    def _solve(self, io, banks, matrices, each=None):
+        """io.solve's answers, bank by bank, their statistics merged; each(k, answer) is called as
+        bank k's answer exists (the solve yields one bank's finished answer before it finishes the
+        next: a gather posted there travels while the next bank retracts)."""
+        solved = []
+        for k, ((name, _), answer) in enumerate(zip(banks, io.solve(banks, matrices) if banks else [])):
+            self._merge(name, answer[3])
+            solved.append(answer)
+            if each is not None:
+                each(k, answer)
         return solved
 
     def _count(self, sent, received, solved=0):
@@ -492,8 +499,12 @@ class Exchange:
     # replicated parameters (DDP, or one process)
 
     def _replicated(self, group, io, stats_names):
-        """Each bucket: the owners solve their pieces, one all-gather brings every rank the new W
-        and warm starts; the last bucket carries the statistics of every bank (stats_names)."""
+        """Each bucket: the owners solve their pieces in one call; one all-gather per bank, posted
+        as the call yields that bank's answers (in flight while it retracts the next bank), brings
+        every rank the new W and warm starts; the last one carries every bank's statistics
+        (stats_names). GPT-2 small hetero at 8 ranks (python -m bench.cost_model --fake): the
+        last bucket's two Stiefel banks gathered apart, exposed transfer 0.40 -> 0.26 ms (wire
+        56.6 -> 59.0 MB a rank: each bank padded to its own largest share), ratio 0.265 -> 0.258."""
         matrices = io.replicated
         if group.slots == 1:  # one process: every bank in one call, as the solver batches them
             for pieces, new_W, states, _ in self._solve(io, group.banks, matrices):
@@ -504,9 +515,30 @@ class Exchange:
         for index, bucket in enumerate(group.buckets):
             last = index == len(group.buckets) - 1
             mine = [(name, [p for p in pieces if group.owners[p.key] == group.me]) for name, pieces in bucket]
-            solved = self._solve(io, [(name, pieces) for name, pieces in mine if pieces], matrices)
-            pending = self._returns(pending, self._gather(group, io, bucket, solved,
-                                                          stats_names if last else None))
+            solving = [j for j, (_, pieces) in enumerate(mine) if pieces]
+            answers, posted = {}, []
+
+            def post_through(j, bucket=bucket, last=last, answers=answers, posted=posted):
+                # one gather per bank, in bucket order on every rank (a bank this rank solves none
+                # of is posted with the next one it does, or after the solve); the statistics ride
+                # on the last bank's of the last bucket, once every bank has merged them
+                nonlocal pending
+                while len(posted) <= j:
+                    k = len(posted)
+                    stage = self._gather(group, io, [bucket[k]], [answers[k]] if k in answers else [],
+                                         stats_names if last and k == len(bucket) - 1 else None)
+                    posted.append(k)
+                    if len(posted) == 1 or not self.overlap:
+                        pending = self._returns(pending, stage)
+                    else:
+                        pending.append(stage)
+
+            def each(k, answer, answers=answers, solving=solving, post_through=post_through):
+                answers[solving[k]] = answer
+                post_through(solving[k])
+
+            self._solve(io, [mine[j] for j in solving], matrices, each)
+            post_through(len(bucket) - 1)
         drain(pending)
 
     def _keep_own(self, io, pieces, states):

@@ -577,8 +577,9 @@ class ManifoldMuon(torch.optim.Optimizer):
             return [(pieces, *self._reference_bank(pieces, W, G)) for (W, G, _), (_, pieces) in zip(inputs, banks)]
         solutions = solve_tall_banks([(W, G, self._geometry(pieces), state)
                                       for (W, G, state), (_, pieces) in zip(inputs, banks)], self.plan)
-        return [(pieces, *self._finish_bank(pieces, W, solution))
-                for (W, _, _), (_, pieces), solution in zip(inputs, banks, solutions)]
+        # lazily, bank by bank: the exchange posts a bank's gather before the next bank retracts
+        return ((pieces, *self._finish_bank(pieces, W, solution))
+                for (W, _, _), (_, pieces), solution in zip(inputs, banks, solutions))
 
     @staticmethod
     def _geometry(pieces):

@@ -63,6 +63,12 @@ def train(layout, overlap, mesh=None, trace=None):
             trace.append(("solve", sum(len(pieces) for _, pieces in banks)))
             return solve(banks, inputs)
         opt._step_banks = traced
+        finish = opt._finish_bank
+
+        def traced_finish(pieces, W, solution):
+            trace.append(("finish", len(pieces)))
+            return finish(pieces, W, solution)
+        opt._finish_bank = traced_finish
     solved = []
     for step in range(STEPS):
         for p, g in zip(params, gradients(step)):
@@ -197,6 +203,7 @@ def test_overlap_on_and_off_are_bitwise_equal_with_every_bank_cut(runs, alone, w
 def returns_in_flight_while_solving(trace):
     """Whether a bucket's return (the collective posted right after its solve) is waited only
     after a later solve: in flight while the next bucket solves."""
+    trace = [event for event in trace if event[0] != "finish"]
     waits = {event[1:]: i for i, event in enumerate(trace) if event[0] == "wait"}
     returns = [(i + 1, trace[i + 1][1:]) for i, event in enumerate(trace[:-1])
                if event[0] == "solve" and trace[i + 1][0] == "post"]
@@ -208,6 +215,30 @@ def test_with_overlap_a_buckets_return_travels_while_the_next_one_solves(runs, w
     for results in runs[world]:
         assert returns_in_flight_while_solving(results[layout, True]["trace"])
         assert not returns_in_flight_while_solving(results[layout, False]["trace"])
+
+
+def gathers_between_finishes(trace):
+    """All-gathers posted after one bank's answer was finished and before the next bank's of the
+    same solve: a bank's gather travelling while the solve finishes (retracts) the next bank."""
+    count, segment = 0, []
+    for event in trace + [("solve",)]:
+        if event[0] == "solve":  # a solve's events: its finishes and what was posted between them
+            finishes = [i for i, e in enumerate(segment) if e[0] == "finish"]
+            count += sum(1 for i, e in enumerate(segment) if e[:2] == ("post", "all_gather")
+                         and finishes and finishes[0] < i < finishes[-1])
+            segment = []
+        else:
+            segment.append(event)
+    return count
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_posts_each_banks_gather_as_soon_as_its_answer_exists(runs, world):
+    """DDP: a bucket of several banks is gathered bank by bank, each bank's gather posted as soon
+    as the solve has finished it (the solve yields bank by bank), in flight while the next bank
+    is retracted; not one gather of the bucket after its last bank (the last one left exposed)."""
+    for results in runs[world]:
+        assert gathers_between_finishes(results["ddp", True]["trace"]) > 0
 
 
 @pytest.mark.parametrize("world,layout", [(2, "fsdp"), (3, "fsdp"), (4, "hsdp")])
