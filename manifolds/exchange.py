@@ -560,7 +560,6 @@ class Exchange:
         tail = STATS * len(stats_names) if stats_names else 0
         width = volume + tail
         device = bucket[0][1][0].param.device
-        send = torch.zeros(width, dtype=torch.float32, device=device)
         parts = []
         for pieces, new_W, states, _ in solved:
             self._keep_own(io, pieces, states)
@@ -568,11 +567,16 @@ class Exchange:
                 parts.append(w.reshape(-1).float())
                 if warm(piece):
                     parts.append(states[i].reshape(-1))
-        if parts:
-            flat = torch.cat(parts)
-            send[:flat.numel()] = flat
+        # the send in one cat: this rank's answers, zeros up to the widest share, the statistics
+        # (not a zero buffer, the answers' cat copied into it and the statistics copied after:
+        # 1 to 2 launches fewer a gather; the same fp32 values)
+        filled = sum(part.numel() for part in parts)
+        if filled < volume:
+            parts.append(torch.zeros(volume - filled, dtype=torch.float32, device=device))
         if stats_names:
-            self._pack_stats(stats_names, device, send[volume:].view(len(stats_names), STATS))
+            parts.append(self._pack_stats(stats_names, device).reshape(-1))
+        # a buffer of its own (an answer alone would be sent as a view of it), unless only zeros
+        send = parts[0] if not solved and not stats_names else torch.cat(parts).to(torch.float32)
         received, handle = all_gather_rows(send, group.slots, async_op=True)
         self._count(4 * width * (group.slots - 1), 4 * width * (group.slots - 1),
                     sum(len(pieces) for pieces, *_ in solved))

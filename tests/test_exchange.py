@@ -336,3 +336,49 @@ def test_hsdp_buckets_balance_the_pieces_left_over_together():
     bucketed = exchange.buckets(banks, 64)
     assert [sorted(len(pieces) for _, pieces in bucket) for bucket in bucketed] == [[32, 48, 48], [64]]
     assert waited(bucketed) <= waited([banks]) * (1 + 1e-9)
+
+
+def test_a_ddp_gather_packs_its_send_in_one_cat(monkeypatch):
+    """Exchange._gather (one bank's all-gather): this rank's answers, the zeros up to the widest
+    share and the statistics in one cat (with the copy of its own answers into its weights: 3
+    launches with padding, 4 with the statistics' stack too); a zero buffer, the answers' cat
+    copied into it and the statistics copied after took 4 and 6. The send holds the same fp32
+    values, in that order."""
+    from bench.op_count import OpCounter
+    opt = ManifoldMuon([{"params": [torch.nn.Parameter(w) for w in matrices()[:3]], "manifold": "stiefel"}],
+                       shard=False)
+    (name, pieces), = opt.banks()
+    group = exchange.plan_group(exchange.Replicated(2, 0), [(name, pieces)], opt.plan)
+    me = min((0, 1), key=lambda slot: sum(group.owners[p.key] == slot for p in pieces))
+    group = exchange.plan_group(exchange.Replicated(2, me), [(name, pieces)], opt.plan)  # the narrower share
+    mine = [p for p in pieces if group.owners[p.key] == me]
+    assert 0 < len(mine) < len(pieces) - len(mine)  # padded to the other's
+    new_W = [torch.randn(p.weight().shape) for p in mine]
+    states = torch.randn(len(mine), 8, 8)
+    stats = {"iterations": torch.tensor(3), "residual": torch.tensor(0.5), "fallbacks": torch.tensor(0)}
+    sends = []
+
+    volume = (len(pieces) - len(mine)) * (16 * 8 + 8 * 8)  # the wider share's W and warm starts
+    # made here: the count holds _gather's launches only
+    received = {n: torch.zeros(2, n) for n in (volume, volume + exchange.STATS)}
+
+    def gather(send, size, group=None, async_op=False):
+        sends.append(send)
+        return received[send.numel()], None
+    monkeypatch.setattr(exchange, "all_gather_rows", gather)
+    io = type("IO", (), {"store_warm": staticmethod(lambda pieces, states: None)})()
+    ex = opt.exchange
+    ex.counts = {"sent": 0, "received": 0, "collectives": 0, "solved": 0, "held": 0}
+    for stats_names, bound in ((None, 3), ([name], 4)):
+        ex.stats = {name: stats}
+        counter = OpCounter()
+        with counter, torch.no_grad():
+            ex._gather(group, io, [(name, pieces)], [(mine, new_W, states, stats)], stats_names)
+        assert sum(counter.kernels.values()) <= bound, counter.kernels
+    answers = torch.cat([x for w, s in zip(new_W, states) for x in (w.reshape(-1), s.reshape(-1))])
+    for send in sends:
+        assert send.dtype == torch.float32 and torch.equal(send[:answers.numel()], answers)
+    assert sends[0].numel() == volume
+    assert not sends[0][answers.numel():].any()
+    assert torch.equal(sends[1][:volume], sends[0])
+    assert torch.equal(sends[1][volume:], ex._pack_stats([name], "cpu").reshape(-1))
