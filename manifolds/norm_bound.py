@@ -66,13 +66,16 @@ def top_eigenvalue_bound(S, squarings, backend="torch", tf32=False):
     E = S - eye
     with kernels.tf32_products(tf32):
         P = kernels.products_for(backend, E).sym_product(E, 1.0, E, 2.0) + eye  # S^2
-        log_scale = torch.zeros(S.shape[:-2], dtype=S.dtype, device=S.device)
+        log_scale = None  # 0 until the first rescaling (no fill: 0 + x / 2^k is x / 2^k exactly)
         for k in range(1, squarings):
             if k % 3 == 1:  # top eigenvalue >= 1 / sqrt(q) here, >= q^-4 three squarings on
                 norm = P.norm(dim=(-2, -1)).clamp_min(1e-30)
                 # log_scale + log(norm) / 2^k, the division by 2^k exact: one launch for two
-                P, log_scale = P / norm[..., None, None], torch.add(log_scale, norm.log(), alpha=2.0 ** -k)
+                P, log_scale = P / norm[..., None, None], (norm.log() * 2.0 ** -k if log_scale is None else
+                                                           torch.add(log_scale, norm.log(), alpha=2.0 ** -k))
             P = kernels.sym_product(P, backend=backend)
+        if log_scale is None:
+            log_scale = torch.zeros(S.shape[:-2], dtype=S.dtype, device=S.device)
     t = torch.diagonal(P, dim1=-2, dim2=-1).sum(dim=-1)
     f = P.square().sum(dim=(-2, -1))
     mu = torch.minimum(t / q + ((q - 1) / q * (f - t * t / q)).clamp_min(0).sqrt(), f.sqrt())

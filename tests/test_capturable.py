@@ -141,7 +141,7 @@ def test_capturable_rejects_a_non_boolean():
         steepest_direction(W, G, "stiefel", scheme="admm", capturable="yes")
 
 
-def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_545_ops_and_sync_free():
+def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_535_ops_and_sync_free():
     # the trainer's groups for 12 HETERO layers at GPT-2's aspect ratios (width 64 instead of
     # 768: the op count does not depend on the width); the torch path, as the profiler sees it
     import train_gpt2
@@ -165,9 +165,10 @@ def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_545_ops_and_sync_
     kernels, syncs = sum(counter.kernels.values()), sum(counter.syncs.values())
     assert syncs == 0
     assert sum(counter.literals.values()) == 0  # no host-to-device copies of lr lists (pageable: they block)
-    # 536 here (581 before _momenta's one where over the gradients laid end to end, 714 before solver.finite,
-    # kernels.constants and the fused signal tests); 2,137 before the stacked banks
-    assert kernels <= 545, counter.kernels.most_common(10)
+    # 535 here (536 before norm_bound's first rescaling made the log scale without a zero fill; 581 before
+    # _momenta's one where over the gradients laid end to end, 714 before solver.finite, kernels.constants and
+    # the fused signal tests); 2,137 before the stacked banks
+    assert kernels <= 535, counter.kernels.most_common(10)
 
 
 def test_a_growing_warm_penalty_keeps_the_fixed_point_and_gets_closer_in_the_budget():
