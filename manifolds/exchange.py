@@ -435,13 +435,13 @@ class Exchange:
             "residual": torch.maximum(torch.as_tensor(old["residual"]), torch.as_tensor(new["residual"])),
             "fallbacks": torch.as_tensor(old["fallbacks"]) + torch.as_tensor(new["fallbacks"])}
 
-    def _pack_stats(self, names, device, out=None):
+    def _pack_stats(self, names, device):
         """(len(names), STATS) of this rank's share of each bank (-inf where it solved none): one
         stack of the values (tensors, not floats: no device sync; each distinct Python number, the
         solver's fixed iteration counts and the -inf, one 0-dim fill made here, not kept across
-        steps, so that a step's launches do not depend on the steps before it) and one copy into
-        `out`, not a fill and an element write per value (10 launches for GPT-2's 3 banks). The
-        stack promotes exactly (integers and fp32 to at most fp64) and the copy rounds to fp32 as
+        steps, so that a step's launches do not depend on the steps before it) and one cast to
+        fp32, not a fill and an element write per value (10 launches for GPT-2's 3 banks). The
+        stack promotes exactly (integers and fp32 to at most fp64) and the cast rounds to fp32 as
         the element writes did."""
         numbers = {}
         values = []
@@ -456,11 +456,7 @@ class Exchange:
                 if value.device != torch.device(device):  # the reference solver's host statistics
                     value = value.to(device)
                 values.append(value.reshape(()))
-        packed = torch.stack(values).view(len(names), STATS)
-        if out is None:
-            return packed.to(torch.float32)
-        out.copy_(packed)
-        return out
+        return torch.stack(values).view(len(names), STATS).to(torch.float32)
 
     def _unpack_stats(self, names, shares):
         """shares: (ranks, len(names), STATS), every rank's _pack_stats."""
