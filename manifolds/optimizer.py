@@ -39,8 +39,9 @@ into buckets and each bucket's balanced over the ranks by an estimate of their c
 rank without communication (manifolds/exchange.py, which owns the owners, the buckets, the
 collectives and the solver's statistics; the optimizer hands it `_step_banks` and what it needs
 of its state). A rank solves its pieces of a bank together, as one batched solve. The new weights
-of replicated parameters are exchanged with one all-gather per bucket (in flight while the next
-bucket solves): each rank sends its pieces, each followed by its new dual warm start (fp32,
+of replicated parameters are exchanged with one all-gather per bank, posted as soon as the bank's
+answers exist (in flight while the next bank is retracted and the next bucket solves): each rank
+sends its pieces, each followed by its new dual warm start (fp32,
 flattened, padded to the largest rank's volume), and every rank writes all of them. So
 every rank holds the whole state of the replicated parameters: the momentum of every matrix
 (every rank updates it from its gradient, the same everywhere under DDP, so the momenta stay
