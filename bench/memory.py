@@ -300,7 +300,7 @@ def counted_rank(args, world, rank, fsdp):
 
 
 def owned_shards(muon, world, rank):
-    """The pieces `rank` owns in the sharded step (exchange.plan_group's owners)."""
+    """The pieces `rank` owns in the sharded step (exchange.bucket_group's owners)."""
     bucketed = exchange.buckets(list(muon.banks()), world)
     owners = exchange.bucket_owners(bucketed, muon.plan, world)
     return [piece for _, pieces in muon.banks() for piece in pieces if owners[piece.key] == rank]

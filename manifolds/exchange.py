@@ -282,8 +282,8 @@ class Group:
         return not isinstance(self.layout, Replicated)
 
 
-def plan_group(layout, banks, plan):
-    """The Group of these banks under `layout`: every rank derives the same (plan_check compares)."""
+def bucket_group(layout, banks, plan):
+    """The Group of these banks under `layout`: every rank derives the same (step_agreement compares)."""
     if isinstance(layout, Replicated):
         slots, me = layout.size, layout.rank
     else:
@@ -873,7 +873,7 @@ def steady_received_bytes(optimizer):
     total = 0
     out = (("G", grad),) if resident else (("W", torch.float32), ("G", grad))
     for layout, banks in sharded_banks(optimizer).items():
-        group = plan_group(layout, banks, optimizer.plan)
+        group = bucket_group(layout, banks, optimizer.plan)
         R, r, _ = replicas(layout)
         S, s = layout.size, layout.rank
         back = lambda piece: sum(wire_bytes(n, dt) for _, n, dt in piece_parts(  # noqa: E731

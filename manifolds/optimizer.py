@@ -60,9 +60,9 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adamw import adamw
 
-from manifolds import exchange, plan_check, reference
+from manifolds import exchange, step_agreement, reference
 from manifolds.solver import STATS, solve_tall_banks
-from manifolds.exchange import Exchange, ExchangeOptions, Replicated, StepInputs, plan_group
+from manifolds.exchange import Exchange, ExchangeOptions, Replicated, StepInputs, bucket_group
 from manifolds.geometry import MANIFOLDS, geometry, project_to_manifold, stored_wide, tall
 from manifolds.plan import SolverOptions, plan_for
 from manifolds.sharded import (is_sharded, keeps_warm_start, local, project_sharded, radius_key,
@@ -154,7 +154,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         self.options = SolverOptions.from_kwargs(**options)
         exchange_options = ExchangeOptions.from_kwargs(**exchange_opts)
         self._unprojected = []  # frozen matrices not yet checked against their manifold (add_param_group)
-        self._plan_checked = False  # plan_check at the next step (also after a load or new groups)
+        self._agreement_checked = False  # step_agreement at the next step (also after a load or new groups)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         manifold=manifold, blocks=None, dgram_cap=dgram_cap, algorithm="muon")
         super().__init__(params, defaults)
@@ -170,7 +170,7 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     # what torch.optim.Optimizer pickles (defaults, state, param_groups), and the rest of ours, so
     # that copy.deepcopy and pickle give a working optimizer
-    OWN_ATTRIBUTES = ("options", "plan", "world_size", "rank", "exchange", "_unprojected", "_plan_checked")
+    OWN_ATTRIBUTES = ("options", "plan", "world_size", "rank", "exchange", "_unprojected", "_agreement_checked")
 
     def __getstate__(self):
         return {**super().__getstate__(), **{k: self.__dict__[k] for k in self.OWN_ATTRIBUTES}}
@@ -195,7 +195,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         if algorithm == "adamw":  # AdamW's own defaults, not the Muon groups' lr and weight decay
             param_group = {**ADAMW_DEFAULTS, **param_group}
         super().add_param_group(param_group)
-        self._plan_checked = False
+        self._agreement_checked = False
         if hasattr(self, "exchange"):
             self.weights_changed()
         group = self.param_groups[-1]
@@ -387,17 +387,17 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     def _replicated_group(self, with_grad=lambda piece: True):
         """exchange.Group of the replicated (not sharded) pieces that `with_grad`, in bank order:
-        their buckets and owners over this optimizer's ranks (exchange.plan_group); None if none."""
+        their buckets and owners over this optimizer's ranks (exchange.bucket_group); None if none."""
         banks = []
         for _, pieces in self.banks():
             pieces = [piece for piece in pieces if with_grad(piece) and not is_sharded(piece.param)]
             if pieces:
                 banks.append((self.bank_name(pieces), pieces))
-        return plan_group(Replicated(self.world_size, self.rank), banks, self.plan) if banks else None
+        return bucket_group(Replicated(self.world_size, self.rank), banks, self.plan) if banks else None
 
     def owners(self):
         """{piece.key: rank} for every piece of a replicated parameter: the rank that computes its
-        step (balanced over the ranks bucket by bucket: exchange.plan_group). Sharded parameters'
+        step (balanced over the ranks bucket by bucket: exchange.bucket_group). Sharded parameters'
         owners are their mesh's (exchange.py)."""
         group = self._replicated_group()
         return dict(group.owners) if group is not None else {}
@@ -439,13 +439,13 @@ class ManifoldMuon(torch.optim.Optimizer):
         # ones, so every rank builds the same exchange
         with_grad = lambda piece: piece.param.grad is not None  # noqa: E731
         # the same groups in the same order on every rank: the sharded layouts, then the replicated pieces
-        groups = [plan_group(layout, banks, self.plan)
+        groups = [bucket_group(layout, banks, self.plan)
                   for layout, banks in exchange.sharded_banks(self, with_grad).items()]
         replicated = self._replicated_group(with_grad)
         if replicated is not None:
             groups.append(replicated)
-        if not self._plan_checked:  # before any exchange whose sizes the plan sets
-            self._check_plan(groups)
+        if not self._agreement_checked:  # before any exchange whose sizes the plan sets
+            self._check_agreement(groups)
         # every rank updates the momentum of every replicated matrix stepped (the whole state on
         # every rank) and forms G for those it solves; sharded parameters: their local parts
         pieces = [piece for group in groups for _, bank in group.banks for piece in bank]
@@ -472,9 +472,9 @@ class ManifoldMuon(torch.optim.Optimizer):
         sharded = any(is_sharded(p) for group in self.param_groups for p in group["params"])
         return dist.get_world_size() if sharded and dist.is_available() and dist.is_initialized() else 1
 
-    def _check_plan(self, groups):
-        """plan_check: every rank compares its step's plan with the others' (one small all-gather)
-        at the first step and after a load or a change of groups; a disagreement is a PlanMismatch
+    def _check_agreement(self, groups):
+        """step_agreement: every rank compares the step it built with the others' (one small all-gather)
+        at the first step and after a load or a change of groups; a disagreement is a StepMismatch
         on every rank, before any exchange."""
         if self._world() > 1:
             first = next(iter(self.pieces()), None)
@@ -483,8 +483,8 @@ class ManifoldMuon(torch.optim.Optimizer):
             started = {piece.key: "step" in self.state.get(piece.param, {}) and bool(self.state[piece.param]["step"] > 0)
                        for piece in pieces}
             index = {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-            plan_check.check(plan_check.describe(pieces, index, started, self.options, groups), device)
-        self._plan_checked = True
+            step_agreement.check(step_agreement.describe(pieces, index, started, self.options, groups), device)
+        self._agreement_checked = True
 
     def _step_adamw_groups(self):
         """The "adamw" groups' step: torch's AdamW (functional form, its default implementation
@@ -725,7 +725,7 @@ class ManifoldMuon(torch.optim.Optimizer):
             for key, value in (state_dict["state"].get(i, {}) if state else {}).items():
                 if torch.is_tensor(value) and torch.is_tensor(state.get(key)) and value.dtype != state[key].dtype:
                     state[key] = value.to(device=state[key].device)
-        self._plan_checked = False  # a resume: the warm-start flags come from the loaded state
+        self._agreement_checked = False  # a resume: the warm-start flags come from the loaded state
         self.weights_changed()  # the owners' warm starts are the loaded ones now
 
     def weights_changed(self):

@@ -281,12 +281,12 @@ def gpt2_banks(model):
 @pytest.mark.parametrize("model,ranks,sizes", [("gpt2", 8, [[24], [12, 12]]), ("gpt2-xl", 8, [[96], [48], [48]]),
                                                ("gpt2", 3, [[12], [12], [24]][::-1])])
 def test_ddp_buckets_are_whole_banks_few_and_the_largest_first(model, ranks, sizes):
-    """DDP's buckets (exchange.plan_group of a Replicated layout): whole banks, closed when their
+    """DDP's buckets (exchange.bucket_group of a Replicated layout): whole banks, closed when their
     pieces are a multiple of the ranks, the largest first; not the sharded step's memory-bound cut
     (GPT-2 XL at 8 ranks: 16 buckets that repeat the solver's per-bank launches in each)."""
     from manifolds.plan import SolverOptions, plan_for
     banks = gpt2_banks(model)
-    group = exchange.plan_group(exchange.Replicated(ranks, 0), banks, plan_for(SolverOptions(), "cpu"))
+    group = exchange.bucket_group(exchange.Replicated(ranks, 0), banks, plan_for(SolverOptions(), "cpu"))
     assert [[len(pieces) for _, pieces in bucket] for bucket in group.buckets] == sizes
     whole = {name: len(pieces) for name, pieces in banks}
     assert all(len(pieces) == whole[name] for bucket in group.buckets for name, pieces in bucket)
@@ -346,9 +346,9 @@ def test_a_ddp_gather_packs_its_send_in_one_cat(monkeypatch):
     opt = ManifoldMuon([{"params": [torch.nn.Parameter(w) for w in matrices()[:3]], "manifold": "stiefel"}],
                        shard=False)
     (name, pieces), = opt.banks()
-    group = exchange.plan_group(exchange.Replicated(2, 0), [(name, pieces)], opt.plan)
+    group = exchange.bucket_group(exchange.Replicated(2, 0), [(name, pieces)], opt.plan)
     me = min((0, 1), key=lambda slot: sum(group.owners[p.key] == slot for p in pieces))
-    group = exchange.plan_group(exchange.Replicated(2, me), [(name, pieces)], opt.plan)  # the narrower share
+    group = exchange.bucket_group(exchange.Replicated(2, me), [(name, pieces)], opt.plan)  # the narrower share
     mine = [p for p in pieces if group.owners[p.key] == me]
     assert 0 < len(mine) < len(pieces) - len(mine)  # padded to the other's
     new_W = [torch.randn(p.weight().shape) for p in mine]

@@ -5,8 +5,8 @@ ranks that disagree hang or exchange garbage (gloo raises, late and unclearly).
 
 So at the first step, after a state_dict is loaded (a resume) and after the groups change,
 ManifoldMuon compares a digest of each of these five components over all ranks: one all-gather
-of 5 integers, whose size does not depend on the plan, so a disagreement cannot hang it. Every
-rank then raises the same PlanMismatch naming the components that differ and the ranks that
+of 5 integers, whose size does not depend on the step, so a disagreement cannot hang it. Every
+rank then raises the same StepMismatch naming the components that differ and the ranks that
 differ from rank 0.
 """
 import hashlib
@@ -20,12 +20,12 @@ from manifolds.sharded import chunk_range, is_sharded, keeps_warm_start, shard_l
 COMPONENTS = ("pieces", "owners", "buckets", "splits", "warm starts")
 
 
-class PlanMismatch(RuntimeError):
-    """The ranks built different optimizer steps (plan_check's module docstring)."""
+class StepMismatch(RuntimeError):
+    """The ranks built different optimizer steps (step_agreement's module docstring)."""
 
 
 def describe(pieces, param_index, started, options, groups):
-    """{component: text} of this rank's plan, from what the optimizer hands it: its pieces, each
+    """{component: text} of the step this rank built, from what the optimizer hands it: its pieces, each
     parameter's position in group order ({id(param): i}), whether each piece's parameter has
     stepped ({piece.key: bool}: its warm start travels), the solver options, and the step's
     exchange.Groups (layout, banks, buckets, owners)."""
@@ -55,7 +55,7 @@ def digest(text):
 
 
 def check(components, device, group=None):
-    """All-gather this rank's digests; PlanMismatch on every rank if any component differs."""
+    """All-gather this rank's digests; StepMismatch on every rank if any component differs."""
     mine = torch.tensor([digest(components[name]) for name in COMPONENTS], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     every = all_gather_rows(mine, world, group).cpu()
@@ -65,7 +65,7 @@ def check(components, device, group=None):
         if ranks:
             differ.append(f"{name} (ranks {', '.join(map(str, ranks))} differ from rank 0)")
     if differ:
-        raise PlanMismatch("ManifoldMuon: the ranks built different optimizer steps: " + "; ".join(differ)
+        raise StepMismatch("ManifoldMuon: the ranks built different optimizer steps: " + "; ".join(differ)
                            + ". Every rank must construct the optimizer with the same parameters, groups and "
                            "options in the same order (and load the same state); the step stopped before "
                            "any exchange.")

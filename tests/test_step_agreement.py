@@ -1,4 +1,4 @@
-"""plan_check: ranks that build different optimizer steps stop, every one of them, with one error
+"""step_agreement: ranks that build different optimizer steps stop, every one of them, with one error
 naming what differs, before any exchange (under NCCL such a step hangs). Two gloo ranks started as
 fresh interpreters (not forked from pytest's threads), rank 1 altered on purpose: its owners
 (replicated and FSDP2-sharded parameters) or, after a resume, its warm-start flags."""
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from manifolds import plan_check
+from manifolds import step_agreement
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,7 +24,7 @@ WORKER = textwrap.dedent('''
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
     import manifolds.step_cost as work_module
     from manifolds import ManifoldMuon, manifold_param_groups
-    from manifolds.plan_check import PlanMismatch
+    from manifolds.step_agreement import StepMismatch
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, seq_len=8, vocab_size=32))
@@ -73,7 +73,7 @@ WORKER = textwrap.dedent('''
                 state["state"][first]["step"] = torch.tensor(0.0)
             opt.load_state_dict(state)
             step()
-    except PlanMismatch as error:
+    except StepMismatch as error:
         open(out, "w").write(str(error))
         code = 3
     else:
@@ -105,21 +105,21 @@ def launch(tmp_path, mode):
 
 @pytest.mark.parametrize("mode,component", [("replicated", "owners"), ("sharded", "owners"),
                                             ("resume", "warm starts")])
-def test_a_rank_with_another_plan_stops_every_rank_with_the_digest_error(tmp_path, mode, component):
+def test_a_rank_with_another_step_stops_every_rank_with_the_digest_error(tmp_path, mode, component):
     start = time.time()
     codes, errors, messages = launch(tmp_path, mode)
     assert codes == [3, 3], errors  # both ranks stopped on the mismatch, neither hung nor crashed
     assert time.time() - start < 90  # seconds after the start (mostly imports), not a collective's timeout
     assert messages[0] == messages[1]
     assert f"{component} (ranks 1 differ from rank 0)" in messages[0]
-    others = [name for name in plan_check.COMPONENTS if name != component]
+    others = [name for name in step_agreement.COMPONENTS if name != component]
     assert not any(f"{name} (ranks" in messages[0] for name in others), messages[0]
 
 
 def test_digests_name_each_component():
-    same = {name: "x" for name in plan_check.COMPONENTS}
-    assert len({plan_check.digest(text) for text in ("a", "b", "a ")}) == 3
-    assert all(plan_check.digest(text) == plan_check.digest(text) for text in same.values())
+    same = {name: "x" for name in step_agreement.COMPONENTS}
+    assert len({step_agreement.digest(text) for text in ("a", "b", "a ")}) == 3
+    assert all(step_agreement.digest(text) == step_agreement.digest(text) for text in same.values())
 
 
 def test_sharded_matrices_are_projected_by_the_optimizer_and_both_ranks_solve(tmp_path):
