@@ -16,7 +16,7 @@ def end_rank_process(code=0):
     Why not return and let the interpreter end: modules, DTensors and collectives' work sit in
     reference cycles, and at interpreter shutdown a gloo thread can still be finishing with them; the
     process then aborts (SIGABRT, "terminate called without an active exception") after it has written
-    its results. Seen once each in clean-clone suite runs: test_plan_check's resume worker and, with
+    its results. Seen once each in clean-clone suite runs: test_step_agreement's resume worker and, with
     gc and destroy already done, test_torch_clients' frozen-layer rank 0 (2026-12-07). train_gpt2.main
     frees the cycles before it destroys the group too; a user's process ends normally after it."""
     failed = sys.exc_info()[0] is not None
