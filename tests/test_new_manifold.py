@@ -53,12 +53,9 @@ def test_registration_checks_names():
 
 
 def tiny_llama(seed=0):
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, bos_token_id=0, eos_token_id=0))
+    pytest.importorskip("transformers")
+    from hf_models import tiny_llama as build
+    return build(seed)
 
 
 @pytest.mark.parametrize("spec", ["attn=scaled-stiefel,mlp=dgram", {"*.self_attn.*.weight": "scaled-stiefel"}],
