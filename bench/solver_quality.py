@@ -33,17 +33,25 @@ DEFAULT_SHAPES = ["96x32:stiefel", "96x32:dgram", "96x32:oblique", "192x64:stief
                   "192x64:oblique"]
 
 
-def parse_shape(text):
-    """"96x32:dgram" -> (96, 32, "dgram"), tall, on a constrained manifold."""
-    try:
-        dims, manifold = text.split(":")
-        rows, cols = (int(d) for d in dims.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS:MANIFOLD such as 96x32:stiefel, got {text!r}")
-    if manifold not in ("stiefel", "dgram", "oblique") or not rows > cols > 0:
-        raise argparse.ArgumentTypeError(f"expected a tall shape (rows > cols) on stiefel, dgram or oblique, "
-                                         f"got {text!r}")
-    return rows, cols, manifold
+def shape_parser(manifolds=("stiefel", "dgram", "oblique"), square=False):
+    """An argparse type: "96x32:dgram" -> (96, 32, "dgram"), a tall matrix (rows > cols, or rows >=
+    cols with `square`) on one of `manifolds` (bench/experiments/warm_sweep.py takes square ones)."""
+    relation = ">=" if square else ">"
+
+    def parse(text):
+        try:
+            dims, manifold = text.split(":")
+            rows, cols = (int(d) for d in dims.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected ROWSxCOLS:MANIFOLD such as 96x32:stiefel, got {text!r}")
+        if manifold not in manifolds or not cols > 0 or not (rows >= cols if square else rows > cols):
+            raise argparse.ArgumentTypeError(f"expected a tall shape (rows {relation} cols) on "
+                                             f"{', '.join(manifolds)}, got {text!r}")
+        return rows, cols, manifold
+    return parse
+
+
+parse_shape = shape_parser()
 
 
 def case(rows, cols, manifold, decay, seed, steps, spread=0.3):

@@ -26,6 +26,7 @@ import os
 import torch
 
 from bench.optimizer import momentum_like
+from bench.solver_quality import shape_parser
 from manifolds import project_to_manifold
 from manifolds.solver import solve_tall, solve_tall_banks
 from manifolds.geometry import geometry
@@ -57,7 +58,7 @@ def main():
                     help="the solver scheme (SolverOptions.scheme; online: the penalties, growth, relax, "
                          "warm average and pullbacks do not apply), each a row")
     ap.add_argument("--momenta", default=None, help="replay real momenta from bench/dump_momenta.py")
-    ap.add_argument("--shapes", nargs="+", type=parse_shape, default=[(768, 256, "stiefel"), (1024, 256, "dgram")],
+    ap.add_argument("--shapes", nargs="+", type=shape_parser(("stiefel", "dgram"), square=True), default=[(768, 256, "stiefel"), (1024, 256, "dgram")],
                     metavar="ROWSxCOLS:MANIFOLD",
                     help="the synthetic cases, tall (default 768x256:stiefel 1024x256:dgram; GPT-2 small: "
                          "2304x768:stiefel 3072x768:dgram)")
@@ -105,18 +106,6 @@ def main():
                        solve_tall(W, Gs[-1], geometry(m), None, cold).A[0].double(), opt)
                for W, Gs, m, opt in cases]
         print(f"{penalty:7.3f} | " + " | ".join(f"{x:.4f}" for x in row), flush=True)
-
-
-def parse_shape(text):
-    """"2304x768:stiefel" -> (2304, 768, "stiefel"), a tall matrix on a constrained manifold."""
-    try:
-        dims, manifold = text.split(":")
-        rows, cols = (int(d) for d in dims.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS:MANIFOLD such as 2304x768:stiefel, got {text!r}")
-    if manifold not in ("stiefel", "dgram") or not rows >= cols > 0:
-        raise argparse.ArgumentTypeError(f"expected a tall shape (rows >= cols) on stiefel or dgram, got {text!r}")
-    return rows, cols, manifold
 
 
 def row_plan(args, row, iterations):
