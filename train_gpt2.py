@@ -1022,13 +1022,13 @@ def communication_bytes_per_step(model, muon, env, args=None, device=None, dtype
     padded bank bytes), fp32. --fsdp: FSDP2's two all-gathers of the parameters (bf16 on CUDA
     with a bf16 forward, else fp32) and reduce-scatter of the gradients (fp32) over the shard
     group of P ranks, (P-1)/P of each; across HSDP's R replicas the all-reduce of the gradient
-    shards, 2 (R-1)/R; and ManifoldMuon's steady exchange (manifolds/sharded.py)."""
+    shards, 2 (R-1)/R; and ManifoldMuon's steady exchange (manifolds/exchange.py)."""
     n = env.world_size
     if n == 1:
         return 0
     params = list(dict.fromkeys(model.parameters()))
     if any(hasattr(p, "full_tensor") for p in params):
-        from manifolds.sharded import steady_received_bytes
+        from manifolds.exchange import steady_received_bytes
         numel = sum(p.numel() for p in params)
         group = args.fsdp_shard_ranks or n
         replicas = n // group

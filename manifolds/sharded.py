@@ -224,16 +224,3 @@ def piece_parts(piece, layout, rank, matrices, dual):
     rows = dual_rows(piece, layout, rank)
     return [(name, box, dtype) for name, dtype in matrices] + \
         ([("dual", (rows.stop - rows.start) * warm_shape(piece)[1], torch.float32)] if dual else [])
-
-
-# moved to manifolds/exchange.py (the buckets, owners and collectives); kept readable here for
-# the benchmarks that name them (bench/cost_model.py)
-MOVED = ("EXCHANGE_BUCKET", "piece_numel", "buckets", "bucket_owners", "bucket_loads", "bucket_balance",
-         "sharded_banks", "steady_received_bytes", "all_gather_rows")
-
-
-def __getattr__(name):
-    if name in MOVED:
-        from manifolds import exchange
-        return getattr(exchange, name)
-    raise AttributeError(f"module 'manifolds.sharded' has no attribute {name!r}")

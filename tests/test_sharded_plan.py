@@ -4,7 +4,7 @@ bucket's owners are balanced (no bucket waits on one owner while the others idle
 import pytest
 
 from bench.memory import meta_model, trainer_args
-from manifolds import ManifoldMuon, sharded
+from manifolds import ManifoldMuon, exchange
 from manifolds.plan import SolverOptions, plan_for
 
 GPU_PLAN = plan_for(SolverOptions(precision="tf32", clip="polynomial", capturable=True), "cuda")
@@ -13,8 +13,8 @@ GPU_PLAN = plan_for(SolverOptions(precision="tf32", clip="polynomial", capturabl
 def plan_of(model, ranks, assign="hetero"):
     _, groups = meta_model(trainer_args(model, "--assign", assign))
     banks = list(ManifoldMuon(groups, shard=False).banks())
-    bucketed = sharded.buckets(banks, ranks)
-    return banks, bucketed, sharded.bucket_owners(bucketed, GPU_PLAN, ranks)
+    bucketed = exchange.buckets(banks, ranks)
+    return banks, bucketed, exchange.bucket_owners(bucketed, GPU_PLAN, ranks)
 
 
 # (model, ranks): buckets, and the worst bucket's most loaded owner over its mean (step_cost.piece_cost)
@@ -27,14 +27,14 @@ def test_buckets_of_the_presets_are_pinned_and_balanced(model, ranks):
     banks, bucketed, owners = plan_of(model, ranks)
     count, balance = PINNED[model, ranks]
     assert len(bucketed) == count
-    assert sharded.bucket_balance(bucketed, owners, GPU_PLAN, ranks) == pytest.approx(balance, abs=1e-3)
+    assert exchange.bucket_balance(bucketed, owners, GPU_PLAN, ranks) == pytest.approx(balance, abs=1e-3)
     # every piece once, in one bucket; no bucket above its limit (ranks x EXCHANGE_BUCKET elements)
     everything = [piece.key for _, pieces in banks for piece in pieces]
     cut = [piece.key for bucket in bucketed for _, pieces in bucket for piece in pieces]
     assert sorted(cut) == sorted(everything) and len(cut) == len(set(cut))
     for bucket in bucketed:
-        assert sum(sharded.piece_numel(piece) for _, pieces in bucket for piece in pieces) <= ranks * max(
-            sharded.EXCHANGE_BUCKET, max(sharded.piece_numel(piece) for _, pieces in banks for piece in pieces))
+        assert sum(exchange.piece_numel(piece) for _, pieces in bucket for piece in pieces) <= ranks * max(
+            exchange.EXCHANGE_BUCKET, max(exchange.piece_numel(piece) for _, pieces in banks for piece in pieces))
 
 
 def test_gpt2_xl_at_8_ranks_gives_each_rank_the_same_pieces_of_each_bank_in_every_bucket():
@@ -45,4 +45,4 @@ def test_gpt2_xl_at_8_ranks_gives_each_rank_the_same_pieces_of_each_bank_in_ever
             assert len(set(per_rank)) == 1, (name, per_rank)
     # the cut by element count alone, owners over all pieces, waited on its most loaded owner
     # (the replay: 1.31x); this plan's worst bucket is exact
-    assert sharded.bucket_balance(bucketed, owners, GPU_PLAN, 8) <= 1.05
+    assert exchange.bucket_balance(bucketed, owners, GPU_PLAN, 8) <= 1.05
