@@ -195,3 +195,33 @@ def test_scheme_report_tables_final_losses_and_tests_them(tmp_path):
     assert "5.4100 (0.0100), 3" in row and "-0.1033" in row  # means, sd, n and A − B
     welch_p = float(row.split("|")[6])
     assert welch_p < 0.01  # a 0.1 gap over a 0.01 spread
+
+
+def test_warm_sweep_replays_recorded_momenta_for_every_scheme(tmp_path, monkeypatch, capsys):
+    """bench/experiments/warm_sweep.py --momenta: a recorded window (bench/dump_momenta.py's format) is
+    replayed with each scheme's warm starts chained, each bank's cell a quality in (0, 1] of its float64
+    optimum. Guards the replay path that no other test runs (it read Solution.state after the rename
+    to warm_start, and offered no newton row)."""
+    from bench.experiments import warm_sweep
+    g = torch.Generator().manual_seed(0)
+    banks = []
+    for step in range(2):
+        step_banks = []
+        for name, manifold in (("attn", "stiefel"), ("mlp", "dgram")):
+            W = project_to_manifold(torch.randn(2, 40, 12, generator=g), manifold)
+            step_banks.append((name, manifold, W, torch.randn(2, 40, 12, generator=g)))
+        banks.append(step_banks)
+    path = tmp_path / "momenta.pt"
+    torch.save({"steps": [9, 10], "banks": banks, "dgram_cap": 1.0}, path)
+    monkeypatch.setattr(sys, "argv", ["warm_sweep", "--momenta", str(path), "--scheme", "online", "newton",
+                                      "--iterations", "1", "--reference-iters", "200", "--reference-tol", "1e-5"])
+    warm_sweep.main()
+    rows = {line.split(" | ")[0].split()[0]: line for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("online ", "newton "))}
+    assert set(rows) == {"online", "newton"}
+    for line in rows.values():
+        cells = line.split(" | ")[1:]
+        assert len(cells) == 2  # the window's two banks
+        for cell in cells:
+            worst, mean = (float(x) for x in cell.split(" / "))
+            assert 0.5 < worst <= mean <= 1.0 + 1e-4

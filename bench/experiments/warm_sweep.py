@@ -54,8 +54,8 @@ def main():
     ap.add_argument("--precision", nargs="+", default=["fp32"], choices=("fp32", "tf32", "bf16"),
                     help="the inner iterations' precision (SolverOptions.precision; tf32 emulated on CPU), "
                          "each a row")
-    ap.add_argument("--scheme", nargs="+", default=["online"], choices=("online", "admm"),
-                    help="the solver scheme (SolverOptions.scheme; online: the penalties, growth, relax, "
+    ap.add_argument("--scheme", nargs="+", default=["online"], choices=("online", "admm", "newton"),
+                    help="the solver scheme (SolverOptions.scheme; online and newton: the penalties, growth, relax, "
                          "warm average and pullbacks do not apply), each a row")
     ap.add_argument("--momenta", default=None, help="replay real momenta from bench/dump_momenta.py")
     ap.add_argument("--shapes", nargs="+", type=shape_parser(("stiefel", "dgram"), square=True), default=[(768, 256, "stiefel"), (1024, 256, "dgram")],
@@ -96,7 +96,7 @@ def main():
                 state = None
                 for G in Gs:
                     solution = solve_tall(W, G, geometry(manifold), state, plan)
-                    state = solution.state
+                    state = solution.warm_start
                 qualities.append(quality(W[0].double(), Gs[-1][0].double(), solution.A[0].double(), opt))
         print(f"{row_label(row)} | " + " | ".join(f"{x:.4f}" for x in qualities), flush=True)
     print("cold (first step, 6 iterations):  penalty | " + " | ".join(m for _, _, m, _ in cases))
@@ -118,8 +118,8 @@ def row_plan(args, row, iterations):
 
 def row_label(row):
     scheme, penalty, growth, relax, precision, average, pullbacks = row
-    if scheme == "online":
-        return f"online {precision}"
+    if scheme in ("online", "newton"):
+        return f"{scheme} {precision}"
     return f"admm {penalty:7.3f} {growth:4.1f} {relax:5.2f} {precision} {average:.2f} {pullbacks}"
 
 
@@ -127,8 +127,8 @@ def setting_rows(args):
     """Rows of the sweep: ADMM's settings crossed; the online scheme's by precision only (it reads none of them)."""
     rows = []
     for scheme in args.scheme:
-        if scheme == "online":
-            rows += [("online", args.penalties[0], args.growth[0], args.relax[0], precision, args.warm_average[0],
+        if scheme in ("online", "newton"):  # neither reads ADMM's settings
+            rows += [(scheme, args.penalties[0], args.growth[0], args.relax[0], precision, args.warm_average[0],
                       args.pullbacks[0]) for precision in args.precision]
             continue
         rows += [("admm", penalty, growth, relax, precision, average, pullbacks) for penalty in args.penalties
@@ -187,7 +187,7 @@ def replay(args):
                 for banks in steps:
                     solutions = solve_tall_banks([(W, G, geometry(manifold, cap), state)
                                                   for (_, manifold, W, G), state in zip(banks, states)], plan)
-                    states = [solution.state for solution in solutions]
+                    states = [solution.warm_start for solution in solutions]
                 for b in sorted({b for b, _ in targets}):
                     _, _, W, G = steps[-1][b]
                     values = [quality(W[m].double(), G[m].double(), solutions[b].A[m].double(), targets[(b, m)])
