@@ -33,7 +33,10 @@ def top_eigenvalue(S, iters, backend="torch", squarings=5):
     return (v * (S @ v)).sum(dim=(-2, -1)).clamp_min(0)
 
 
-def top_eigenvalue_bound(S, squarings, backend="torch", tf32=False):
+LATE_FROM = 3  # top_eigenvalue_bound's squarings from this one on (S^16 onwards) may run in late_dtype
+
+
+def top_eigenvalue_bound(S, squarings, backend="torch", tf32=False, late_dtype=None):
     """An upper bound on the largest eigenvalue lam_1 of symmetric PSD S (..., q, q) of any scale
     (S is divided by its largest diagonal entry first), from P = S^N, N = 2^squarings, and its moments
     t = tr P = sum mu_i, f = ||P||_F^2 >= sum mu_i^2 (Schur; equal for symmetric P):
@@ -53,6 +56,13 @@ def top_eigenvalue_bound(S, squarings, backend="torch", tf32=False):
     reaches lam_1 divided by 2^k. Under `tf32` the squarings read TF32 operands, the first from
     E = S - I (S^2 = E E^T + 2 E + I, E and I added in fp32): TF32 rounds an S ~ I by up to 5e-4
     coherently on the diagonal, E only relative to its own small entries.
+
+    late_dtype (bf16 under a GPU's TF32 plan: the plan's sign dtype): the squarings from LATE_FROM
+    on (those forming S^16 ... S^N) run in it, at twice TF32's rate. A relative rounding eps of the
+    squaring that forms S^(2^j) moves the bound by eps / 2^j, so bf16's (~2e-3 on a diagonal-heavy
+    P, coherently) moves it by at most ~eps / 8 = 2.5e-4 summed over j = 4 ... squarings; the
+    moments t and f are read in fp32 (their rounding is divided by N). GPT-2 small hetero, one H200
+    (python -m bench.cost_model --fake): the squarings were 391 of 2022 TF32 GFLOP.
     """
     q = S.size(-1)
     eye = kept_eye(q, S)
@@ -68,16 +78,21 @@ def top_eigenvalue_bound(S, squarings, backend="torch", tf32=False):
         P = kernels.products_for(backend, E).sym_product(E, 1.0, E, 2.0) + eye  # S^2
         log_scale = None  # 0 until the first rescaling (no fill: 0 + x / 2^k is x / 2^k exactly)
         for k in range(1, squarings):
+            if late_dtype is not None and k == LATE_FROM and late_dtype != P.dtype:
+                P = P.to(late_dtype)
             if k % 3 == 1:  # top eigenvalue >= 1 / sqrt(q) here, >= q^-4 three squarings on
                 norm = P.norm(dim=(-2, -1)).clamp_min(1e-30)
-                # log_scale + log(norm) / 2^k, the division by 2^k exact: one launch for two
-                P, log_scale = P / norm[..., None, None], (norm.log() * 2.0 ** -k if log_scale is None else
-                                                           torch.add(log_scale, norm.log(), alpha=2.0 ** -k))
+                # log_scale + log(norm) / 2^k, the division by 2^k exact: one launch for two (a bf16
+                # norm is the exact divisor; its log is taken in fp32)
+                lognorm = norm.log() if norm.dtype == S.dtype else norm.to(S.dtype).log()
+                P, log_scale = P / norm[..., None, None], (lognorm * 2.0 ** -k if log_scale is None else
+                                                           torch.add(log_scale, lognorm, alpha=2.0 ** -k))
             P = kernels.sym_product(P, backend=backend)
         if log_scale is None:
             log_scale = torch.zeros(S.shape[:-2], dtype=S.dtype, device=S.device)
-    t = torch.diagonal(P, dim1=-2, dim2=-1).sum(dim=-1)
-    f = P.square().sum(dim=(-2, -1))
+    t = torch.diagonal(P, dim1=-2, dim2=-1).sum(dim=-1, dtype=S.dtype)
+    f = torch.linalg.vector_norm(P, dim=(-2, -1), dtype=S.dtype).square() if P.dtype != S.dtype else P.square().sum(
+        dim=(-2, -1))
     mu = torch.minimum(t / q + ((q - 1) / q * (f - t * t / q)).clamp_min(0).sqrt(), f.sqrt())
     return m * (log_scale + mu.log() / 2 ** squarings).exp()
 

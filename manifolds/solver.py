@@ -513,7 +513,7 @@ def better_answer(problem, G, B, other, plan):
     pair = torch.stack([B, other])
     grams = kernels.sym_product(pair.mT, backend=problem.backend)
     norms = top_eigenvalue_bound(grams.reshape((-1,) + grams.shape[-2:]), NORM_SQUARINGS, problem.backend,
-                                 tf32=plan.tf32).reshape(grams.shape[:-2]).sqrt()
+                                 tf32=plan.tf32, late_dtype=plan.sign_torch_dtype).reshape(grams.shape[:-2]).sqrt()
     score = (G * pair).sum(dim=(-2, -1)) / norms.clamp_min(torch.finfo(G.dtype).tiny)
     take = (score[1] > score[0]) & finite(score[1])
     return torch.where(take[..., None, None], other, B)
@@ -685,7 +685,8 @@ def finalize_banks(banks, plan, project=True):
                  for (W, A, geo, d2), flag in zip(banks, flags)]
     with kernels.tf32_products(plan.tf32):
         grams = [kernels.sym_product(A.mT, backend=plan.backend).reshape((-1,) + A.shape[-1:] * 2) for A in projected]
-    bounds = top_eigenvalue_bound(torch.cat(grams), NORM_SQUARINGS, plan.backend, tf32=plan.tf32)
+    bounds = top_eigenvalue_bound(torch.cat(grams), NORM_SQUARINGS, plan.backend, tf32=plan.tf32,
+                                  late_dtype=plan.sign_torch_dtype)
     norms = bounds.sqrt().clamp_min(1e-30)
     return [A / n.reshape(A.shape[:-2] + (1, 1)) for A, n in zip(projected, torch.split(norms, [len(g) for g in grams]))]
 
