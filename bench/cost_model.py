@@ -120,6 +120,10 @@ def parse_args(argv=None):
                     help="what if manifolds.exchange.EXCHANGE_BUCKET (elements of W per owner and bucket) were "
                          "this: more buckets overlap more of the exchange and repeat the solver's per-bank launches")
     ap.add_argument("--assign", default="hetero", help="train_gpt2.py's --assign (not auto)")
+    ap.add_argument("--bank-launches", action="store_true",
+                    help="also the launches each bank adds to one rank's step at the largest world size (DDP's "
+                         "buckets): that rank owning one piece of it, and one of each bank of its bucket, against "
+                         "owning none (what a rank pays per bank it touches, exchange.bucket_owners)")
     ap.add_argument("--world-size", type=int, nargs="+", default=[1, 8], help="world sizes to count")
     ap.add_argument("--solver-opt", action="append", default=[], metavar="KEY=VALUE",
                     help="train_gpt2's --solver-opt, repeatable, applied after the GPU's choices "
@@ -156,6 +160,8 @@ def parse_args(argv=None):
         ap.error("--assign auto switches manifolds during training; give its base assignment instead")
     if any(n < 1 for n in args.world_size):
         ap.error("--world-size takes positive integers")
+    if args.bank_launches and max(args.world_size) < 2:
+        ap.error("--bank-launches needs a world size above 1")
     if args.exchange_bucket is not None and args.exchange_bucket < 1:
         ap.error("--exchange-bucket takes a positive number of elements")
     if args.fsdp_shard_ranks is not None:
@@ -297,12 +303,43 @@ def count_all(args, fake):
                 # every rank of the job): counted as the replicated step cut the same way
                 with sharded_cut():
                     sharded[world_size] = count_world(args, opt, params, snap, world_size)[1]
+        banks = bank_launches(opt, params, snap, max(args.world_size)) if args.bank_launches else None
         restore(opt, params, snap)
         # matmul parameters of forward+backward: all but the position embedding (a lookup; the
         # token embedding is tied to the head, a product)
         matmul_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
         shapes = [tuple(p.shape) for p in params]
-    return counts, owners, (matmul_params, shapes), opt.plan, sharded
+    return counts, owners, (matmul_params, shapes), opt.plan, sharded, banks
+
+
+def bank_launches(opt, params, snap, world_size):
+    """{"none": launches of rank 0's step owning no piece, "buckets": [{"banks": {bank name: launches
+    one piece of it adds}, "together": launches one piece of each bank of the bucket adds}]} at
+    `world_size` over DDP's buckets (exchange.replicated_buckets), every other piece owned by ranks
+    1 .. N-1 in turn: what a rank pays per bank it touches (its solver's launches are per bank and per
+    call, not per piece; "together" below the banks' sum: the call's own launches, paid once)."""
+    from manifolds import exchange
+    banks = [(opt.bank_name(pieces), pieces) for _, pieces in opt.banks()]
+    saved = exchange.bucket_owners
+
+    def launches(mine):
+        def owners(bucketed, plan, ranks, **_):
+            others = [piece.key for bucket in bucketed for _, pieces in bucket for piece in pieces
+                      if piece.key not in mine]
+            return {**{key: 0 for key in mine}, **{key: 1 + i % (ranks - 1) for i, key in enumerate(others)}}
+        exchange.bucket_owners = owners
+        try:
+            restore(opt, params, snap)
+            return count_step(opt, world_size, 0).summary(1)["launches"]
+        finally:
+            exchange.bucket_owners = saved
+    none = launches(set())
+    out = []
+    for bucket in exchange.replicated_buckets(banks, world_size):
+        alone = {name: launches({pieces[0].key}) - none for name, pieces in bucket}
+        together = launches({pieces[0].key for _, pieces in bucket}) - none if len(bucket) > 1 else None
+        out.append({"banks": alone, "together": together})
+    return {"world_size": world_size, "none": none, "buckets": out}
 
 
 def count_world(args, opt, params, snap, world_size):
@@ -588,7 +625,7 @@ def count_and_report(args, out):
     t0 = time.perf_counter()
     if args.fake:
         try:
-            counts, owners, (matmul_params, shapes), plan, sharded = count_all(args, fake=True)
+            counts, owners, (matmul_params, shapes), plan, sharded, banks = count_all(args, fake=True)
             mode = "fake"
         except FAKE_ERRORS:
             note = "needs a real run: the step reads device values on the host"
@@ -597,12 +634,12 @@ def count_and_report(args, out):
                 print(f"--fake-only: {note} (at least 1 sync); nothing counted", file=sys.stderr)
                 return 3
             print(f"--fake: {note}; counting a real run", flush=True)
-            counts, owners, (matmul_params, shapes), plan, sharded = count_all(args, fake=False)
+            counts, owners, (matmul_params, shapes), plan, sharded, banks = count_all(args, fake=False)
             syncs = counts[args.world_size[0]][0]["host_syncs"]
             out.put("fake", value=f"{note} ({syncs} syncs)")
             print(f"  ({syncs} syncs in the counted step)")
     else:
-        counts, owners, (matmul_params, shapes), plan, sharded = count_all(args, fake=False)
+        counts, owners, (matmul_params, shapes), plan, sharded, banks = count_all(args, fake=False)
     out.put("mode", value=mode)
     out.put("solver", value=plan.as_dict())
     out.put("seconds", value=time.perf_counter() - t0)
@@ -643,6 +680,17 @@ def count_and_report(args, out):
     print(f"launches by call site ({first['launches']} in all; a Triton product counts at its caller):")
     for site, n in list(first["launches_by_site"].items())[:args.top]:
         print(f"  {n:>5}  {site}")
+    if banks is not None:
+        out.put("bank_launches", value=banks)
+        print(f"launches one piece of a bank adds to rank 0's step of {banks['world_size']} (DDP's buckets, every other "
+              f"piece on ranks 1 to {banks['world_size'] - 1}; owning none: {banks['none']}):")
+        for index, bucket in enumerate(banks["buckets"]):
+            line = ", ".join(f"{name} {n}" for name, n in bucket["banks"].items())
+            if bucket["together"] is not None:
+                shared = sum(bucket["banks"].values()) - bucket["together"]
+                line += (f"; one of each, in one solver call: {bucket['together']} (the call's own launches, paid "
+                         f"once: {shared / (len(bucket['banks']) - 1):.0f})")
+            print(f"  bucket {index + 1}: {line}")
     if args.fsdp:  # last: each ends with its `sharded:` line
         for world_size, ranks in counts.items():
             if world_size > 1:

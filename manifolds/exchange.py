@@ -220,7 +220,9 @@ def balanced(pieces, plan, ranks):
 def bucket_owners(bucketed, plan, ranks):
     """{piece.key: rank}: each bucket's pieces balanced over the ranks by their cost
     (step_cost.balanced_owners, longest first), bucket by bucket, so that no bucket waits on one
-    owner while others idle."""
+    owner while others idle. By multiply-adds alone, although an owner also pays its solver's
+    launches once per bank it touches (python -m bench.cost_model --bank-launches): that fixed
+    cost in the balance changed none of issue 59's figures (docs/distributed.md, "Owners")."""
     owners = {}
     for bucket in bucketed:
         owners.update(balanced([piece for _, pieces in bucket for piece in pieces], plan, ranks))
