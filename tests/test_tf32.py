@@ -273,3 +273,26 @@ def test_norm_bound_squarings_in_bf16_under_a_tf32_plan_stay_an_upper_bound(kind
     assert 1 - 3e-4 <= bound / lam <= 1 + 3e-3, (kind, bound / lam - 1)
     # lam is ||A||_op^2: 6e-4 here is 3e-4 of the norm (measured 3.8e-4 on the flat top)
     assert abs(bound / reference - 1) < 6e-4, (kind, bound / reference - 1)
+
+
+def test_sharpen_lifts_with_a_bf16_product_under_a_tf32_plan_and_keeps_the_direction(monkeypatch):
+    """Under a TF32 plan the online answer's lift A R1 (solver.FullProblem.sharpened) reads A in the
+    sign's bf16 (its values are bf16 already) and R1 rounded to bf16: the only tall bf16 product
+    with an fp32 result in the step, and the answer is within 2e-3 (relative, Frobenius) of the one
+    with TF32 operands, tangent to the same precision."""
+    import manifolds.solver as solver_module
+    plan = plan_for(SolverOptions(capturable=True, precision="tf32", clip="polynomial"), "cpu")
+    W, G = (x[None] for x in random_point((96, 32), "dgram", 5))
+    seen = []
+    matmul_add = kernels.matmul_add
+    monkeypatch.setattr(kernels, "matmul_add", lambda B, X, C, *a, **k: seen.append((B.dtype, C.dtype)) or
+                        matmul_add(B, X, C, *a, **k))
+    low = solve_tall(W, G, geometry("dgram"), None, plan).A
+    assert (torch.bfloat16, torch.float32) in seen
+    original = solver_module.FullProblem.sharpened
+    monkeypatch.setattr(solver_module.FullProblem, "sharpened", lambda self, A, S, M, A_low=None: original(self, A, S, M))
+    high = solve_tall(W, G, geometry("dgram"), None, plan).A
+    assert float((low - high).norm() / high.norm()) < 2e-3
+    residual = lambda A: float(geometry("dgram").tangent_residual(W, A).abs().max())  # noqa: E731
+    # the exact projection by W runs at TF32 either way: the same residual to its rounding
+    assert residual(low) <= 1.5 * residual(high) + 1e-6, (residual(low), residual(high))
