@@ -177,7 +177,9 @@ def triton_fp32_precision():
     try:
         from kernels.products_triton import fp32_precision
     except ImportError:  # no Triton here: its rule (3xTF32 unless the solver or torch asks for TF32)
-        from kernels.precision import tf32_active
+        from kernels.precision import bf16_active, tf32_active
+        if bf16_active():
+            return "bf16"
         return "tf32" if tf32_active() or tf32_allowed() else "tf32x3"
     return fp32_precision()
 

@@ -18,7 +18,7 @@ import torch
 from errors import UserError
 from kernels import matrix_sign, products_torch, tangent
 from kernels.constants import scalar
-from kernels.precision import tf32_products  # noqa: F401  (re-exported: the solver's TF32 scope)
+from kernels.precision import bf16_products, tf32_products  # noqa: F401  (re-exported: the solver's scopes)
 
 BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

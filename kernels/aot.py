@@ -56,10 +56,11 @@ def as_dict(config):
 def precisions(dtype, all_fp32=False):
     """The PRECISION constexprs the wrappers pass for `dtype`: fp32 takes 3xTF32 (torch's default
     fp32 matmul precision) or, with all_fp32, also plain TF32 (the solver's inner iterations on
-    GPUs, kernels.precision); the others always 'tf32'."""
+    GPUs) and bf16 (tiles cast before tl.dot: kernels.precision.bf16_products); the others always
+    'tf32'."""
     if dtype != "fp32":
         return ("tf32",)
-    return ("tf32x3", "tf32") if all_fp32 else ("tf32x3",)
+    return ("tf32x3", "tf32", "bf16") if all_fp32 else ("tf32x3",)
 
 
 def job(kernel, flags, dtype, target, config, precision, source="gpu"):

@@ -19,6 +19,7 @@ import contextlib
 import torch
 
 _depth = 0
+_bf16_depth = 0
 
 
 @contextlib.contextmanager
@@ -31,6 +32,27 @@ def tf32_products(enabled=True):
         yield
     finally:
         _depth -= int(enabled)
+
+
+@contextlib.contextmanager
+def bf16_products(enabled=True):
+    """Products of fp32 operands read them rounded to bf16 inside (tensor cores at bf16's rate,
+    twice TF32's), accumulating and writing fp32 as before: for products whose result a later
+    fp32 step corrects or whose inputs were bf16-accurate already (the callers say why). Takes
+    precedence over tf32_products(); enabled=False: nothing changes. The Triton kernels cast each
+    fp32 tile to bf16 before tl.dot (products_triton, PRECISION "bf16"); the torch twin rounds
+    its operands (round to nearest even), as for TF32."""
+    global _bf16_depth
+    _bf16_depth += int(enabled)
+    try:
+        yield
+    finally:
+        _bf16_depth -= int(enabled)
+
+
+def bf16_active():
+    """Do products of fp32 operands read them rounded to bf16 here?"""
+    return _bf16_depth > 0
 
 
 def tf32_active():
@@ -53,4 +75,6 @@ def round_to_tf32(X):
 
 def operand(X):
     """A product's operand as the current precision reads it (products_torch)."""
+    if _bf16_depth > 0 and X.dtype == torch.float32:
+        return X.to(torch.bfloat16).to(torch.float32)
     return round_to_tf32(X) if _depth > 0 else X

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.precision import tf32_active
+from kernels.precision import bf16_active, tf32_active
 
 # Kernel launches per function: lets tests prove that the Triton path ran, and how often.
 LAUNCHES = Counter()
@@ -51,7 +51,10 @@ SMALL_PROBLEM = 256   # output dimensions below this use the SMALL configuration
 def fp32_precision():
     """tl.dot input precision for fp32 tensors: TF32 inside kernels.precision.tf32_products() and
     where torch lets its CUDA fp32 matmuls use TF32, 3xTF32 (close to fp32) elsewhere (torch's
-    default)."""
+    default); "bf16" (not a tl.dot precision: the kernels cast the tiles) inside
+    kernels.precision.bf16_products()."""
+    if bf16_active():
+        return "bf16"
     if tf32_active():
         return "tf32"
     # torch.backends.cuda.matmul.fp32_precision reflects both the new API and the legacy
@@ -94,9 +97,16 @@ def _panel_product(acc, L, slr, slk, R, srk, src, rows, cols, n_rows, n_cols, K,
     for k in range(0, K, BLOCK_K):
         a = tl.load(left, mask=(rows[:, None] < n_rows) & (ks[None, :] + k < K), other=0.0)
         b = tl.load(right, mask=(ks[:, None] + k < K) & (cols[None, :] < n_cols), other=0.0)
-        if CAST_FP32:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if PRECISION == "bf16":  # fp32 tiles read as bf16 (kernels.precision.bf16_products)
+            a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
+            if CAST_FP32:  # the interpreter's bf16 arithmetic is wrong: the rounded values in fp32
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        else:
+            if CAST_FP32:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         left += BLOCK_K * slk
         right += BLOCK_K * srk
     return acc

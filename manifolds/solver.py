@@ -445,6 +445,14 @@ def online_sign_steps(geo, plan):
     return plan.polar_steps - (1 if sharpens(geo, plan) else 0)
 
 
+def sign_reads_bf16(plan):
+    """Whether the online scheme's matrix sign reads its input X in bf16 (polynomial signs in bf16:
+    a GPU's TF32 plan). Then X = G + W (2C - M0) is formed from bf16-rounded W and 2C - M0 (fp32
+    sum): its rounding, 2^-9 of each operand, is that of the cast the sign makes of X anyway, and
+    the product runs at twice TF32's rate."""
+    return plan.clip != "eigh" and plan.sign_torch_dtype == torch.bfloat16
+
+
 def online_iterations(problem, G, correction, plan):
     """(B, correction, residual, iterations) of dual descent on ||G + 2 W Lambda||_*, one step
     per training step from the previous step's multiplier (ONLINE_COLD steps from a cold start;
@@ -483,9 +491,12 @@ def online_iterations(problem, G, correction, plan):
     steps = geo.online_steps if warm else max(ONLINE_COLD, geo.online_steps)
     previous = None
     sharpen, sign_steps = sharpens(geo, plan), online_sign_steps(geo, plan)
+    low_x = sign_reads_bf16(plan)
     for k in range(steps):
-        # Proj_T(G) + 2 W C = G - W (M0 - 2 C) in one product (M0 - 2 C: one launch, exactly -(2 C - M0))
-        X = problem.times_W(torch.sub(M0, C, alpha=2.0), G, -1.0)
+        # Proj_T(G) + 2 W C = G - W (M0 - 2 C) in one product (M0 - 2 C: one launch, exactly -(2 C - M0));
+        # its operands read in bf16 where the sign reads X in bf16 anyway (sign_reads_bf16)
+        with kernels.bf16_products(low_x):
+            X = problem.times_W(torch.sub(M0, C, alpha=2.0), G, -1.0)
         A, A_low = polar(X, plan, sign_steps, with_low=True)
         if sharpen and k == steps - 1:
             S = problem.cross(A)

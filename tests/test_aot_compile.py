@@ -172,6 +172,9 @@ def _ci_jobs():
                     source, config = configs[i % len(configs)]
                     jobs.append(aot.job(kernel, flag_sets[i % len(flag_sets)], dtype, target,
                                         aot.as_dict(config), precision, source))
+            # fp32 tiles read as bf16 (kernels.precision.bf16_products): the first kept configuration
+            configs = _kept(kernel, "fp32", target, "bf16")
+            jobs.append(aot.job(kernel, flag_sets[0], "fp32", target, aot.as_dict(configs[0]), "bf16", "gpu"))
     return jobs
 
 

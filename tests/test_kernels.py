@@ -287,6 +287,31 @@ def test_matmul_add_takes_bf16_operands_with_an_fp32_c_and_returns_fp32():
         products_triton.matmul_add(B.float(), X.float(), C.bfloat16())
 
 
+def test_bf16_products_read_fp32_operands_as_bf16_in_both_backends():
+    """kernels.precision.bf16_products(): fp32 B, X and C, the operands of the product read as
+    bf16 and their products summed in fp32, the result fp32. The torch twin rounds to nearest even
+    (as a GPU's conversion does); the Triton interpreter's conversion truncates: each backend
+    matches its rounding to fp32 accumulation order, and neither is the fp32 product."""
+    from kernels.precision import bf16_products
+    B, X, C = randn(3, 45, 70), randn(3, 70, 50), randn(3, 45, 50)
+    truncate = lambda T: (T.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32)  # noqa: E731
+    nearest = lambda T: T.bfloat16().float()  # noqa: E731
+    product = lambda f: 1.5 * C.double() - 0.5 * (f(B).double() @ f(X).double())  # noqa: E731
+    with bf16_products():
+        fused = products_triton.matmul_add(B, X, C, alpha=-0.5, beta=1.5)
+        twin = products_torch.matmul_add(B, X, C, alpha=-0.5, beta=1.5)
+        gram = products_triton.sym_product(B)
+    scale = float(product(nearest).abs().max())
+    assert fused.dtype == twin.dtype == gram.dtype == torch.float32
+    assert max_error(twin.double(), product(nearest)) < 1e-6 * scale
+    fused_rounding = truncate if products_triton.INTERPRETED else nearest
+    assert max_error(fused.double(), product(fused_rounding)) < 1e-6 * scale
+    assert max_error(gram.double(), fused_rounding(B).double() @ fused_rounding(B).double().mT) < 1e-6 * float(
+        (B @ B.mT).abs().max())
+    exact = 1.5 * C.double() - 0.5 * (B.double() @ X.double())
+    assert max_error(twin.double(), exact) > 1e-5 * scale  # the operands were rounded: not fp32
+
+
 def test_plain_matmul_reads_its_stride_zero_c_as_zero_in_both_backends():
     """kernels.matmul (the span Gram's W^T G, the lift V c): matmul_add with beta = 0 and a
     stride-0 zero C, batched and on a transposed view, as the span reduction calls it."""

@@ -296,3 +296,36 @@ def test_sharpen_lifts_with_a_bf16_product_under_a_tf32_plan_and_keeps_the_direc
     residual = lambda A: float(geometry("dgram").tangent_residual(W, A).abs().max())  # noqa: E731
     # the exact projection by W runs at TF32 either way: the same residual to its rounding
     assert residual(low) <= 1.5 * residual(high) + 1e-6, (residual(low), residual(high))
+
+
+def test_online_x_reads_bf16_operands_where_the_sign_reads_bf16(monkeypatch):
+    """solver.online_iterations forms X = G + W (2C - M0) with bf16 operands where its matrix sign
+    reads X in bf16 anyway (sign_reads_bf16: polynomial signs under a TF32 plan); the CPU's fp32
+    plan and the eigh clip keep fp32 operands. The direction's quality (a fraction of the float64
+    optimum) is that of TF32 operands to 2e-3 (measured: within 1e-3 either way, bf16 signs'
+    own noise), and the answer as tangent."""
+    import manifolds.solver as solver_module
+    from kernels.precision import bf16_active
+    from manifolds.optimum import optimum, quality
+    gpu = plan_for(SolverOptions(capturable=True, precision="tf32", clip="polynomial"), "cpu")
+    assert solver_module.sign_reads_bf16(gpu)
+    assert not solver_module.sign_reads_bf16(plan_for(SolverOptions(), "cpu"))
+    assert not solver_module.sign_reads_bf16(plan_for(SolverOptions(precision="tf32", clip="eigh"), "cpu"))
+    scopes = []
+    times_W = solver_module.FullProblem.times_W
+    monkeypatch.setattr(solver_module.FullProblem, "times_W",
+                        lambda self, *a: scopes.append(bf16_active()) or times_W(self, *a))
+    reads_bf16 = solver_module.sign_reads_bf16
+    for manifold, seed in (("stiefel", 6), ("dgram", 7)):
+        W, G = random_point((96, 32), manifold, seed)
+        best, _ = optimum(W.double(), G.double(), manifold, iters=2000)
+        answers = []
+        for low in (True, False):
+            monkeypatch.setattr(solver_module, "sign_reads_bf16", reads_bf16 if low else lambda plan: False)
+            scopes.clear()
+            answers.append(solve_tall(W[None], G[None], geometry(manifold), None, gpu).A[0])
+            assert scopes and all(scope == low for scope in scopes)  # the 4 cold dual steps' X
+        score = [quality(W.double(), G.double(), A.double(), best) for A in answers]
+        assert score[0] >= score[1] - 2e-3, (manifold, score)
+        residual = lambda A: float(geometry(manifold).tangent_residual(W[None], A[None]).abs().max())  # noqa: E731
+        assert residual(answers[0]) <= 1.5 * residual(answers[1]) + 1e-6
