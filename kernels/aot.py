@@ -123,8 +123,6 @@ def signature(kernel, arg_names, constexpr_names, dtype, flags):
         fp32_pointers.add("Sumsq")
     if flags.get("HAS_SCALE"):
         fp32_pointers.add("Scale")
-    if flags.get("FP32_C"):  # matmul_add: bf16 / fp16 operands, fp32 C and result
-        fp32_pointers.update(("C", "Out"))
     sig, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(arg_names):
         if name in constexpr_names:

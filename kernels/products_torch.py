@@ -37,10 +37,6 @@ def sym_product(X, alpha=1.0, C=None, beta=0.0):
 
 
 def matmul_add(B, X, C, alpha=1.0, beta=1.0):
-    if C.dtype == torch.float32 and B.dtype != torch.float32:
-        # low-precision operands with an fp32 C, as the Triton kernel's FP32_C: their products are
-        # exact in fp32 and accumulated there, the result fp32 (not rounded to B's dtype first)
-        B, X = B.float(), X.float()
     product = operand(B) @ operand(X)
     if alpha == -1.0 and beta == 1.0:
         return C - product

@@ -137,11 +137,9 @@ def _sym_product_kernel(X, C, Out, alpha, beta, M, K,
 
 def _matmul_add_kernel(B, X, C, Out, alpha, beta, M, N, K,
                        sbb, sbm, sbk, sxb, sxk, sxn, scb, scm, scn, sob, som, son,
-                       FP32_C: tl.constexpr, CAST_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                       CAST_FP32: tl.constexpr, PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Out = beta C + alpha B X; B is M x K, X is K x N. FP32_C: C and Out are fp32 while B and X
-    are bf16 or fp16 (the body is the same: the accumulator and the epilogue are fp32 anyway; the
-    flag names the pointer types for ahead-of-time builds, kernels/aot.py)."""
+    """Out = beta C + alpha B X; B is M x K, X is K x N."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
     # consecutive programs walk down a column of tiles: they share the X block, B stays in L2
@@ -356,7 +354,7 @@ def upper_tiles(n, block):
 _GRAM_FLAGS = ("ZERO_DIAGONAL", "DIVIDE", "HAS_SCALE", "WANT_SUMSQ")
 WRAPPER_FLAGS = {
     "sym_product": [dict(HAS_C=False), dict(HAS_C=True)],
-    "matmul_add": [dict(FP32_C=False), dict(FP32_C=True)],  # True: low-precision B, X with fp32 C, Out
+    "matmul_add": [{}],
     "symmetric_gram": [dict(zip(_GRAM_FLAGS, values)) for zero_diagonal in (False, True) for values in (
         (zero_diagonal, False, False, False),     # tangent_residual, symmetric_part
         (zero_diagonal, False, False, True),      # tangent_residual with ||H||^2
@@ -403,22 +401,15 @@ def sym_product(X, alpha=1.0, C=None, beta=0.0):
 
 
 def matmul_add(B, X, C, alpha=1.0, beta=1.0):
-    """Out = beta C + alpha B X in C's dtype; B and X bf16 or fp16 may take an fp32 C (FP32_C):
-    low-precision operands, an fp32 result."""
     batch, (m, k), n = B.shape[:-2], B.shape[-2:], X.size(-1)
-    fp32_c = C.dtype == torch.float32 and B.dtype != torch.float32
-    if fp32_c:
-        options = _check(dict(B=B.shape, X=batch + (k, n)), B=B, X=X)
-        _check(dict(C=batch + (m, n)), C=C)
-    else:
-        options = _check(dict(B=B.shape, X=batch + (k, n), C=batch + (m, n)), B=B, X=X, C=C)
+    options = _check(dict(B=B.shape, X=batch + (k, n), C=batch + (m, n)), B=B, X=X, C=C)
     B3, X3, C3 = _batched(B), _batched(X), _batched(C)
     out = torch.empty(B3.shape[0], m, n, dtype=C.dtype, device=C.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),  # noqa: E731
                          B3.shape[0])
     args = (B3, X3, C3, out, float(alpha), float(beta), m, n, k,
             *B3.stride(), *X3.stride(), *C3.stride(), *out.stride())
-    _launch("matmul_add", grid, args, (m, n), (m, n, k, B.dtype, C.dtype), FP32_C=fp32_c, **options)
+    _launch("matmul_add", grid, args, (m, n), (m, n, k, C.dtype), **options)
     return out.reshape(batch + (m, n))
 
 

@@ -232,20 +232,16 @@ def gram_function(Y, f):
     return (Y32 @ ((Q * f(lam.clamp_min(1e-30)).unsqueeze(-2)) @ Q.mT)).to(Y.dtype)
 
 
-def polar(Y, plan, steps=None, with_low=False):
+def polar(Y, plan, steps=None):
     """msign(Y) = U V^T for tall Y = U S V^T: ADMM's starting Z (steps: of POLAR_SCHEDULE, the
-    plan's by default). with_low: (A, A_low), A_low the same values in the sign's dtype (bf16 under
-    a TF32 plan: the sign's own result, before its cast to Y's dtype; else A itself)."""
+    plan's by default)."""
     if plan.clip == "eigh":
         # singular values below 1e-3 of the largest are rounding noise in Y^T Y (fp32) and would be
         # blown up to 1: they are scaled as if they were 1e-3
-        A = gram_function(Y, lambda lam: lam.clamp_min(1e-6 * lam.amax(dim=-1, keepdim=True)).rsqrt())
-        return (A, A) if with_low else A
+        return gram_function(Y, lambda lam: lam.clamp_min(1e-6 * lam.amax(dim=-1, keepdim=True)).rsqrt())
     # every step of POLAR_SCHEDULE at every precision: the last lifts singular values below its lower end
     steps = plan.polar_steps if steps is None else steps
-    low = kernels.msign(Y.to(plan.sign_torch_dtype), steps, 0, plan.backend, POLAR_SCHEDULE)
-    A = low.to(Y.dtype)
-    return (A, low) if with_low else A
+    return in_sign_dtype(lambda X: kernels.msign(X, steps, 0, plan.backend, POLAR_SCHEDULE), Y, plan)
 
 
 def clip_sign(X, plan):
@@ -396,7 +392,7 @@ class FullProblem:
         """P(S + S^T) / (d_i^2 + d_j^2) from S = W^T Y: multiplier(Y) in q x q."""
         return self.geo.gram_projector((S + S.mT) / self.pair)
 
-    def sharpened(self, A, S, M, A_low=None):
+    def sharpened(self, A, S, M, low=False):
         """A Newton-Schulz step on the answer B = A - W M, then its tangent projection, in q x q
         but for one product: A'' = A R - W (M R + M'), with S = W^T A and M = multiplier(A).
 
@@ -412,10 +408,10 @@ class FullProblem:
         hold: A'' is tangent whatever R is, and finalize_banks bounds its norm exactly.
         Products as matmul_add (C + B X), so that no identity is formed.
 
-        A_low: A in the sign's dtype (bf16 under a TF32 plan, where A's values are bf16 already):
-        then the tall product A R1 reads bf16 operands (R1 rounded to bf16: ~2e-3 of R1 <= 0.5, under
-        the bf16 sign's own error), at twice TF32's rate; the projection by W stays at the plan's
-        precision, so the answer is as tangent as before. GPT-2 small hetero, one H200
+        low (sign_reads_bf16: A is a bf16 sign's result, its values bf16 already): the tall product
+        A R1 reads bf16 operands (kernels.bf16_products: A exactly, R1 rounded, ~2e-3 of R1 <= 0.5,
+        under the sign's own error; the sum A + A R1 in fp32), at twice TF32's rate; the projection
+        by W stays at the plan's precision, so the answer is as tangent as before. GPT-2 small hetero, one H200
         (python -m bench.cost_model --fake): 14.26 -> 13.96 ms."""
         d2 = self.d2
         T = kernels.matmul(S.mT, M, backend=self.backend)
@@ -423,10 +419,8 @@ class FullProblem:
         K = torch.addcmul(S, d2[..., :, None], M, value=-1.0)
         M1 = self.multiplier_of_cross(kernels.matmul_add(K, R1, K, backend=self.backend))
         N = kernels.matmul_add(M, R1, M + M1, backend=self.backend)  # M R + M'
-        if A_low is not None and A_low.dtype != A.dtype:
-            lifted = kernels.matmul_add(A_low, R1.to(A_low.dtype), A, backend=self.backend)  # A + A R1
-        else:
-            lifted = kernels.matmul_add(A, R1, A, backend=self.backend)
+        with kernels.bf16_products(low):
+            lifted = kernels.matmul_add(A, R1, A, backend=self.backend)  # A + A R1
         return kernels.matmul_add(self.W, N, lifted, alpha=-1.0, backend=self.backend)
 
 
@@ -497,7 +491,7 @@ def online_iterations(problem, G, correction, plan):
         # its operands read in bf16 where the sign reads X in bf16 anyway (sign_reads_bf16)
         with kernels.bf16_products(low_x):
             X = problem.times_W(torch.sub(M0, C, alpha=2.0), G, -1.0)
-        A, A_low = polar(X, plan, sign_steps, with_low=True)
+        A = polar(X, plan, sign_steps)
         if sharpen and k == steps - 1:
             S = problem.cross(A)
             M = problem.multiplier_of_cross(S)
@@ -513,7 +507,7 @@ def online_iterations(problem, G, correction, plan):
         previous = (C, M)
         C = C - step * M
     H = M * problem.pair  # P(W^T A + A^T W) of the last sign
-    B = problem.sharpened(A, S, M, A_low) if sharpen else problem.times_W(M, A, -1.0)
+    B = problem.sharpened(A, S, M, low_x) if sharpen else problem.times_W(M, A, -1.0)
     if geo.secant_dual:
         B = better_answer(problem, G, B, projected_sign(problem, G, plan, sign_steps), plan)
     # no signal: no answer, and the warm start as it came (a step of G = 0 teaches it nothing)

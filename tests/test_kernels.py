@@ -271,22 +271,6 @@ def test_matmul_add_agrees_on_transposed_views(dtype, tol):
     assert max_error(fused, expected) < tol * float(expected.abs().max())  # relative to the largest entry
 
 
-def test_matmul_add_takes_bf16_operands_with_an_fp32_c_and_returns_fp32():
-    """FP32_C (solver.FullProblem.sharpened's lift A + A R1 under a TF32 plan): bf16 B and X, fp32
-    C; the products of bf16 values are exact in fp32 and summed there, so both backends agree to
-    fp32 accumulation order, and neither rounds the product to bf16 first."""
-    B, X = randn(3, 45, 70, dtype=torch.bfloat16), randn(3, 70, 50, dtype=torch.bfloat16)
-    C = randn(3, 45, 50)
-    fused = products_triton.matmul_add(B, X, C, alpha=-0.5, beta=1.5)
-    twin = products_torch.matmul_add(B, X, C, alpha=-0.5, beta=1.5)
-    expected = 1.5 * C.double() - 0.5 * (B.double() @ X.double())
-    assert fused.dtype == twin.dtype == torch.float32
-    for out in (fused, twin):
-        assert max_error(out.double(), expected) < 1e-6 * float(expected.abs().max())
-    with pytest.raises(TypeError):  # fp32 operands with a bf16 C stay refused
-        products_triton.matmul_add(B.float(), X.float(), C.bfloat16())
-
-
 def test_bf16_products_read_fp32_operands_as_bf16_in_both_backends():
     """kernels.precision.bf16_products(): fp32 B, X and C, the operands of the product read as
     bf16 and their products summed in fp32, the result fp32. The torch twin rounds to nearest even
