@@ -258,3 +258,45 @@ def test_exchange_bucket_what_if_cuts_more_buckets_and_restores_the_setting(tmp_
         max(r["collectives"] for r in default["world_size"]["4"]["ranks"])
     # the sharded line is counted in the sharded buckets: more solver calls, more compute
     assert small["sharded"]["4"]["compute_seconds"] > default["sharded"]["4"]["compute_seconds"]
+
+
+# --- bench/cost_model.py --bank-launches: the launches a bank adds to one rank's step, the fixed
+# cost per bank an owner pays whatever its number of pieces (exchange.bucket_owners' question)
+
+def _run_bank_launches(tmp_path, name, *flags):
+    path = tmp_path / f"{name}.json"
+    status = cost_model.main(["--n-layer", "2", "--n-embd", "64", "--world-size", "4", "--fake-only",
+                              "--out", str(path), *flags])
+    return status, json.loads(path.read_text())
+
+
+def test_bank_launches_per_bank_and_per_call_and_the_counts_unchanged(tmp_path, capsys):
+    from manifolds import exchange
+    owners = exchange.bucket_owners
+    status, data = _run_bank_launches(tmp_path, "banks", "--bank-launches")
+    assert status == 0 and exchange.bucket_owners is owners  # patched only while counting
+    banks = data["bank_launches"]
+    assert banks["world_size"] == 4 and banks["none"] > 0
+    # 2 layers at 4 ranks, DDP's buckets: the 4 MLP pieces (one DGram bank), then QKV + attention
+    # projection (2 + 2 Stiefel pieces, two banks in one solver call)
+    assert [len(bucket["banks"]) for bucket in banks["buckets"]] == [1, 2]
+    assert banks["buckets"][0]["together"] is None
+    for bucket in banks["buckets"]:
+        assert all(n > 0 for n in bucket["banks"].values())
+    two = banks["buckets"][1]
+    # one call of both banks: more than either alone, less than both alone (the call's own launches once)
+    assert max(two["banks"].values()) < two["together"] < sum(two["banks"].values())
+    printed = capsys.readouterr().out
+    assert "one of each, in one solver call" in printed
+    # the step's own counts are those of a run without the flag
+    _, plain = _run_bank_launches(tmp_path, "plain")
+    assert "bank_launches" not in plain
+    keys = ("launches", "flops_by_precision", "collective_bytes_sent", "pieces")
+    for a, b in zip(data["world_size"]["4"]["ranks"], plain["world_size"]["4"]["ranks"], strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+def test_bank_launches_needs_a_world_size_above_one(capsys):
+    with pytest.raises(SystemExit):
+        cost_model.parse_args(["--bank-launches", "--world-size", "1"])
+    assert "--bank-launches needs a world size above 1" in capsys.readouterr().err
