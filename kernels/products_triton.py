@@ -286,8 +286,11 @@ def _prune(name, configs, named_args, **kwargs):
     return kept or [SMALL_CONFIGS[name]]
 
 
-TUNING_KEYS = {"sym_product": ["M", "K", "HAS_C"], "matmul_add": ["M", "N", "K"],
-               "symmetric_gram": ["P", "Q", "ZERO_DIAGONAL", "DIVIDE", "HAS_BASE"]}
+# PRECISION too: the pruning keeps different configurations per precision (3xTF32 stages one more
+# tile on sm_90), so a configuration tuned under TF32 or bf16 may not fit a 3xTF32 launch of the
+# same shape, which the solver makes (the retraction's Gram-space and final Grams)
+TUNING_KEYS = {"sym_product": ["M", "K", "HAS_C", "PRECISION"], "matmul_add": ["M", "N", "K", "PRECISION"],
+               "symmetric_gram": ["P", "Q", "ZERO_DIAGONAL", "DIVIDE", "HAS_BASE", "PRECISION"]}
 
 
 def make_tuner(name, configs=None, do_bench=None):
@@ -329,15 +332,16 @@ def _launch(name, grid, args, size, key, **constexprs):
     if name not in _tuners or max(size) < SMALL_PROBLEM:
         config = SMALL_CONFIGS[name]
     else:
-        config = _chosen.get((name, key))
+        slot = (name, key, constexprs.get("PRECISION"))  # per precision, as TUNING_KEYS
+        config = _chosen.get(slot)
         if config is None and TILES_BY_RULE:
             tuner = _tuners[name]
             config = _prune(name, tuner.configs, dict(zip(tuner.arg_names, args)), **constexprs)[0]
-            _chosen[(name, key)] = config
+            _chosen[slot] = config
         elif config is None:
             tuner = _tuners[name]
             tuner[grid](*args, **constexprs)
-            _chosen[(name, key)] = tuner.best_config
+            _chosen[slot] = tuner.best_config
             return tuner.best_config
     _jit[name][grid](*args, **constexprs, **config.all_kwargs())
     return config

@@ -415,6 +415,22 @@ def test_autotuned_sumsq_counts_only_the_tiles_of_the_configuration_that_ran(mon
         products_triton.make_tuner("symmetric_gram", [triton.Config({"BLOCK": 16, "BLOCK_K": 16})])
 
 
+def test_a_configuration_is_tuned_per_precision(monkeypatch):
+    # The pruning keeps different configurations per PRECISION (3xTF32 stages one more tile on
+    # sm_90): one tuned under TF32 must not be reused for a 3xTF32 launch of the same shape.
+    def do_bench(ran, kernel_call, quantiles):
+        kernel_call()
+        return [1.0 if ran[-1] == 64 else 2.0] * len(quantiles)
+
+    ran, _ = tuned_symmetric_gram(monkeypatch, do_bench)
+    X, Y = randn(2, 40, 150), randn(2, 40, 150, seed=1)
+    products_triton.symmetric_gram(X, Y)                       # fp32 operands: 3xTF32
+    with kernels.tf32_products():
+        products_triton.symmetric_gram(X, Y)                   # the same shape at TF32: tuned again
+        products_triton.symmetric_gram(X, Y)                   # then the chosen one, untimed (no hook)
+    assert ran == [32, 64, 64, 32, 64, 64]  # two trials and the winner, per precision
+
+
 def test_tiles_by_rule_take_the_first_kept_configuration_without_timing(monkeypatch):
     # HSDP replicas each solve every matrix: a tile chosen by each process's own timing could
     # differ between them and round differently. By rule, the first configuration the pruning
