@@ -84,7 +84,7 @@ def top_eigenvalue_bound(S, squarings, backend="torch", tf32=False, late_dtype=N
                 norm = P.norm(dim=(-2, -1)).clamp_min(1e-30)
                 # log_scale + log(norm) / 2^k, the division by 2^k exact: one launch for two (a bf16
                 # norm is the exact divisor; its log is taken in fp32)
-                lognorm = norm.log() if norm.dtype == S.dtype else norm.to(S.dtype).log()
+                lognorm = norm.to(S.dtype).log()  # .to: no copy where norm is S's dtype already
                 P, log_scale = P / norm[..., None, None], (lognorm * 2.0 ** -k if log_scale is None else
                                                            torch.add(log_scale, lognorm, alpha=2.0 ** -k))
             P = kernels.sym_product(P, backend=backend)

@@ -411,8 +411,8 @@ class FullProblem:
         low (sign_reads_bf16: A is a bf16 sign's result, its values bf16 already): the tall product
         A R1 reads bf16 operands (kernels.bf16_products: A exactly, R1 rounded, ~2e-3 of R1 <= 0.5,
         under the sign's own error; the sum A + A R1 in fp32), at twice TF32's rate; the projection
-        by W stays at the plan's precision, so the answer is as tangent as before. GPT-2 small hetero, one H200
-        (python -m bench.cost_model --fake): 14.26 -> 13.96 ms."""
+        by W stays at the plan's precision, so the answer is as tangent as before (GPT-2 small hetero,
+        one H200, python -m bench.cost_model --fake: 14.26 -> 13.97 ms, docs/solver-tuning.md)."""
         d2 = self.d2
         T = kernels.matmul(S.mT, M, backend=self.backend)
         R1 = kernels.matmul_add(M * d2[..., None, :], M, T + T.mT, alpha=-0.5, beta=0.5, backend=self.backend)

@@ -259,7 +259,8 @@ def test_norm_bound_squarings_in_bf16_under_a_tf32_plan_stay_an_upper_bound(kind
     V, _ = torch.linalg.qr(torch.randn(q, q, generator=g, dtype=torch.float64))
     s = {"flat": 1 - 1e-3 * torch.rand(q, generator=g, dtype=torch.float64),
          "spread": torch.rand(q, generator=g, dtype=torch.float64) ** 0.3,
-         "lone": torch.cat([torch.ones(1, dtype=torch.float64), 0.5 * torch.rand(q - 1, generator=g, dtype=torch.float64)])}[kind]
+         "lone": torch.cat([torch.ones(1, dtype=torch.float64),
+                            0.5 * torch.rand(q - 1, generator=g, dtype=torch.float64)])}[kind]
     A = (U * s) @ V.T
     lam = float(s.max() ** 2)
     S = (A.mT @ A).float()[None]
@@ -290,7 +291,8 @@ def test_sharpen_lifts_with_a_bf16_product_under_a_tf32_plan_and_keeps_the_direc
     low = solve_tall(W, G, geometry("dgram"), None, plan).A
     assert any(seen)
     original = solver_module.FullProblem.sharpened
-    monkeypatch.setattr(solver_module.FullProblem, "sharpened", lambda self, A, S, M, low=False: original(self, A, S, M))
+    monkeypatch.setattr(solver_module.FullProblem, "sharpened",
+                        lambda self, A, S, M, low=False: original(self, A, S, M))
     high = solve_tall(W, G, geometry("dgram"), None, plan).A
     assert 0 < float((low - high).norm() / high.norm()) < 2e-3
     residual = lambda A: float(geometry("dgram").tangent_residual(W, A).abs().max())  # noqa: E731
