@@ -11,6 +11,7 @@ import torch
 
 from bench import results as results_module
 from bench.published import published_step
+from errors import UserError
 from data.shards import open_tokens
 from manifolds import project_to_manifold
 
@@ -195,6 +196,23 @@ def test_scheme_report_tables_final_losses_and_tests_them(tmp_path):
     assert "5.4100 (0.0100), 3" in row and "-0.1033" in row  # means, sd, n and A − B
     welch_p = float(row.split("|")[6])
     assert welch_p < 0.01  # a 0.1 gap over a 0.01 spread
+
+
+def test_equal_time_steps_fit_the_base_runs_estimated_time():
+    """bench/experiments/equal_time.py: a scheme whose step the cost model prices dearer gets fewer steps
+    in the base scheme's time, N (1 + r_base) / (1 + r), and the options reach the cost model."""
+    from bench.experiments import equal_time
+    assert equal_time.equal_time_steps(300, 0.0963, 0.2333) == 267  # issue 60's guard: online -> ADMM
+    assert equal_time.equal_time_steps(200, 0.2333, 0.0963) == 225  # and the other way
+    assert equal_time.solver_opts("online:dual_step=0.1,sharpen=off") == [
+        "--solver-opt", "scheme=online", "--solver-opt", "dual_step=0.1", "--solver-opt", "sharpen=off"]
+    with pytest.raises(UserError):
+        equal_time.equal_time_steps(0, 0.1, 0.1)
+    tiny = ("--n-layer", "1", "--n-embd", "64")
+    online, admm = (equal_time.estimated_ratio(s, model_args=tiny) for s in ("online", "admm"))
+    assert 0 < online < admm  # ADMM's 3 iterations + 2 pullbacks cost more than one dual step
+    with pytest.raises(UserError):
+        equal_time.estimated_ratio("online:no_such_option=1", model_args=tiny)
 
 
 def test_warm_sweep_replays_recorded_momenta_for_every_scheme(tmp_path, monkeypatch, capsys):
