@@ -14,7 +14,10 @@ Each cell is the direction quality <G/|G|, A> / ||A||_op as a fraction of the fl
 last step's problem (manifolds/optimum.py, certified by duality; its certified gap is printed):
   warm  the scheme run through the whole sequence, each step from the previous step's multiplier
         (solve_tall with the carried state, as ManifoldMuon runs it), scored at the last step;
-  cold  manifolds.steepest_direction on the last step (the one-shot public API, no warm start).
+  cold  manifolds.steepest_direction(..., scheme=<the scheme>) on the last step (the one-shot
+        public API, no warm start);
+  default cold  steepest_direction with no scheme named, as users call it (its own solver: ADMM
+        from a cold start to convergence-sized budgets, manifolds/plan.py's one_shot_options).
 Worst / mean over the seeds. The plan is the CPU's with a GPU's control flow (capturable: fixed
 budgets, no host reads), fp32 (--precision tf32: a GPU's default precision, emulated).
 """
@@ -80,7 +83,9 @@ def warm_quality(W, Gs, manifold, scheme, opt, precision="fp32"):
 
 
 def cold_quality(W, G, manifold, scheme, opt, precision="fp32"):
-    A = steepest_direction(W[0], G[0], manifold, scheme=scheme, capturable=True, precision=precision)
+    """Quality of the one-shot API's answer; scheme None: the default a caller naming none gets."""
+    named = {} if scheme is None else {"scheme": scheme}
+    A = steepest_direction(W[0], G[0], manifold, capturable=True, precision=precision, **named)
     return quality(W[0], G[0], A, opt)
 
 
@@ -99,12 +104,14 @@ def main(argv=None):
                          "rounding their operands; the signs then run in bf16)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    header = "case (rows x cols manifold decay) | " + " | ".join(f"{s} warm | {s} cold" for s in args.schemes)
+    header = ("case (rows x cols manifold decay) | " + " | ".join(f"{s} warm | {s} cold" for s in args.schemes)
+              + " | default cold")
     print(header)
     print("|".join("---" for _ in header.split("|")))
     for rows, cols, manifold in args.shapes:
         for decay in args.decays:
             cells = {(s, kind): [] for s in args.schemes for kind in ("warm", "cold")}
+            cells[(None, "cold")] = []
             gaps = []
             for seed in args.seeds:
                 W, Gs = case(rows, cols, manifold, decay, seed, args.steps)
@@ -113,6 +120,7 @@ def main(argv=None):
                 for s in args.schemes:
                     cells[(s, "warm")].append(warm_quality(W, Gs, manifold, s, opt, args.precision))
                     cells[(s, "cold")].append(cold_quality(W, Gs[-1], manifold, s, opt, args.precision))
+                cells[(None, "cold")].append(cold_quality(W, Gs[-1], manifold, None, opt, args.precision))
             text = " | ".join(f"{min(v):.4f} / {sum(v) / len(v):.4f}" for v in cells.values())
             print(f"{rows}x{cols} {manifold} {decay:g} | {text}   (reference gap <= {max(gaps):.0e})", flush=True)
 

@@ -243,3 +243,17 @@ def test_warm_sweep_replays_recorded_momenta_for_every_scheme(tmp_path, monkeypa
         for cell in cells:
             worst, mean = (float(x) for x in cell.split(" / "))
             assert 0.5 < worst <= mean <= 1.0 + 1e-4
+
+
+def test_solver_quality_scores_the_one_shot_default_as_users_call_it(capsys):
+    """bench.solver_quality's last column is steepest_direction with no scheme named (the one-shot
+    default, ADMM to convergence-sized budgets): at least 0.99 where the online scheme's own cold
+    solve is short of it; it once always named a scheme, so the default was never scored."""
+    from bench import solver_quality
+    solver_quality.main(["--schemes", "online", "--shapes", "96x32:dgram", "--decays", "1", "--seeds", "0",
+                         "--reference-iters", "1000"])
+    header, _, row = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert header.endswith("| default cold")
+    worst = [float(cell.split("/")[0]) for cell in row.split("(")[0].split("|")[1:]]
+    online_cold, default_cold = worst[1], worst[2]
+    assert default_cold >= 0.99 > online_cold
