@@ -48,6 +48,9 @@ This line is analytical (no sharded step runs here): it prices the exchange issu
 over all N ranks (each matrix solved once per job), out and back inside the shard group 1/R of
 FSDP-over-S's bytes, plus the replica all-gather of the shard's new W and warm starts,
 (R - 1) / R x 4 bytes an element; forward+backward per rank from the same global batch over N.
+Under HSDP the line also gives R across nodes: the replica all-gather (each bucket's, after its
+shard-group return) on its own link, one 400 Gb/s InfiniBand NIC per GPU (H200["internode_bytes_per_s"]),
+the shard group's exchange on NVLink. DDP's figures keep one link at every world size.
 """
 import argparse
 import contextlib
@@ -83,6 +86,12 @@ H200 = {
     "linalg_flops": 50e12,           # eigh / cholesky / triangular solve: a rough guess, see below
     "fwd_bwd_flops": 395e12,         # forward + backward at half of bf16 peak
     "link_bytes_per_s": 350e9,       # a rank's link (NVLink ring bus bandwidth, assumed), every collective's bytes
+    # across nodes (HSDP's replica collectives, the --fsdp line's second figure): one 400 Gb/s
+    # InfiniBand NIC per GPU, 8 GPUs a node (an H200 SXM x 8 system: MLCommons inference v4.1,
+    # closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json: "18x 4th Gen NVLink, 900GB/s",
+    # "10x 400Gbe Infiniband", 8 of them for the GPUs), its line rate, no protocol overhead
+    "node_gpus": 8,
+    "internode_bytes_per_s": 400e9 / 8,
 }
 OVERLAP_NOTE = ("overlap: each collective's bytes on its rank's link at 350 GB/s (ring all-gather (n-1) x its input, "
                 "reduce-scatter (n-1)/n, all-reduce 2(n-1)/n, all-to-all the others' parts), collectives one after "
@@ -388,17 +397,19 @@ def compute_parts(progress):
 def overlapped(events, compute_end):
     """(step seconds, transfer seconds) of a step whose compute ends at `compute_end` and whose
     collectives are `events` in program order: ("post", key, compute seconds done when posted,
-    transfer seconds) and ("wait", key, compute seconds done when waited). One link: a transfer
-    starts when posted and the link is free; a wait stalls the compute until its transfer ends
-    (OVERLAP_NOTE)."""
-    stall = link = transfer = 0.0
-    ends, waited = {}, set()
-    for kind, key, at, *seconds in events:
+    transfer seconds[, link[, after]]) and ("wait", key, compute seconds done when waited). Each
+    link (default: one) carries its transfers one after another: a transfer starts when posted,
+    its link is free and the transfer `after` (a key, if given) has ended; a wait stalls the
+    compute until its transfer ends (OVERLAP_NOTE). Different links run at the same time."""
+    stall = transfer = 0.0
+    free, ends, waited = defaultdict(float), {}, set()
+    for kind, key, at, *rest in events:
         now = at + stall
         if kind == "post":
-            link = max(now, link) + seconds[0]
-            ends[key] = link
-            transfer += seconds[0]
+            seconds, link, after = rest[0], rest[1] if len(rest) > 1 else "link", rest[2] if len(rest) > 2 else None
+            start = max(now, free[link], ends[after] if after is not None else 0.0)
+            free[link] = ends[key] = start + seconds
+            transfer += seconds
         else:
             waited.add(key)
             stall += max(0.0, ends[key] - now)
@@ -551,11 +562,26 @@ def sharded_line(args, world_size, ranks, fb, plan, ddp_seconds):
     events += [("wait", ("back", b), clock) for b in range(len(per_bucket))]
     fsdp_seconds, transfer = overlapped(events, fsdp_compute)
     serial = fsdp_compute + transfer
+    # across nodes: a shard group within one node keeps NVLink; the replica all-gather (each
+    # bucket's, after its shard-group return) goes over the InfiniBand NIC, its own link
+    internode = None
+    if replicas > 1 and shard_ranks <= H200["node_gpus"]:
+        nic = H200["internode_bytes_per_s"]
+        split = []
+        for event in events:
+            if event[0] == "post" and event[1][0] == "back":
+                b = event[1][1]
+                split.append(("post", ("shard back", b), event[2], (back - replica) * share[b] / rate))
+                split.append(("post", event[1], event[2], replica * share[b] / nic, "nic", ("shard back", b)))
+            else:
+                split.append(event)
+        internode, _ = overlapped(split, fsdp_compute)
     line = {"bucket_balance": balance, "step_balance": step_balance, "buckets": len(bucketed),
             "bytes_per_rank": received,
             "shard_ranks": shard_ranks, "replicas": replicas, "compute_seconds": fsdp_compute,
             "transfer_seconds": transfer, "optimizer_seconds": fsdp_seconds, "ratio": fsdp_seconds / fb["seconds"],
-            "serial_ratio": serial / fb["seconds"], "ddp_ratio": ddp_seconds / fb["seconds"]}
+            "serial_ratio": serial / fb["seconds"], "ddp_ratio": ddp_seconds / fb["seconds"],
+            "internode_ratio": None if internode is None else internode / fb["seconds"]}
     mesh = (f", HSDP {replicas} replicas x {shard_ranks} shards, each matrix solved once per job, replica "
             f"all-gather {replica / 1e9:.2f} GB of it" if replicas > 1 else "")
     print(f"\nworld size {world_size}, --fsdp ({len(bucketed)} exchange buckets{mesh}; the buckets' most loaded owners "
@@ -564,8 +590,12 @@ def sharded_line(args, world_size, ranks, fb, plan, ddp_seconds):
           f"{rate / 1e9:.0f} GB/s, each bucket's in proportion to its elements, out and back async and "
           f"double-buffered, {1e3 * transfer:.2f} ms in all; serial, no overlap: "
           f"{serial / fb['seconds']:.3f}; DDP at this world size: {line['ddp_ratio']:.3f} ({1e3 * ddp_seconds:.2f} ms))")
+    across = ("" if internode is None else
+              f"; across nodes {line['internode_ratio']:.3f} ({1e3 * internode:.2f} ms: the replica all-gather on "
+              f"one {8 * H200['internode_bytes_per_s'] / 1e9:.0f} Gb/s InfiniBand NIC per GPU, "
+              f"{H200['node_gpus']} GPUs a node, the shard group on NVLink)")
     print(f"sharded: bucket balance {balance:.3f}, bytes per rank {received / 1e9:.2f} GB, "
-          f"optimizer {line['ratio']:.3f} of a step's forward+backward ({1e3 * fsdp_seconds:.2f} ms)")
+          f"optimizer {line['ratio']:.3f} of a step's forward+backward ({1e3 * fsdp_seconds:.2f} ms){across}")
     return line
 
 

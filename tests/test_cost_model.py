@@ -206,6 +206,11 @@ def test_collectives_share_one_link_in_the_order_posted():
     step, transfer = cost_model.overlapped(events, 5.0)
     assert transfer == 6.0 and step == 7.0  # the second ends at 6: the compute stalls 2 s at its wait
     assert cost_model.overlapped(events[:1] + events[2:3], 5.0) == (5.0, 3.0)
+    # on two links they run side by side; `after` chains one to another's end whatever its link
+    two = [("post", 0, 0.0, 3.0), ("post", 1, 0.0, 3.0, "nic"), ("wait", 0, 4.0), ("wait", 1, 4.0)]
+    assert cost_model.overlapped(two, 5.0) == (5.0, 6.0)
+    chained = [("post", 0, 0.0, 3.0), ("post", 1, 0.0, 3.0, "nic", 0), ("wait", 0, 4.0), ("wait", 1, 4.0)]
+    assert cost_model.overlapped(chained, 5.0) == (7.0, 6.0)
 
 
 def test_hsdp_solves_once_per_job_and_prices_the_replica_gather(tmp_path, capsys):
@@ -213,6 +218,7 @@ def test_hsdp_solves_once_per_job_and_prices_the_replica_gather(tmp_path, capsys
     _, fsdp = _run(tmp_path, "fsdp4", "--world-size", "4", "--fake-only", "--fsdp")
     _, one = _run(tmp_path, "hsdp1", "--world-size", "4", "--fake-only", "--fsdp", "--fsdp-shard-ranks", "4")
     assert one["sharded"]["4"] == fsdp["sharded"]["4"]  # one replica: the FSDP line
+    assert fsdp["sharded"]["4"]["internode_ratio"] is None  # no replica collective to cross nodes
     capsys.readouterr()
     status, data = _run(tmp_path, "hsdp", "--world-size", "4", "--fake-only", "--fsdp", "--fsdp-shard-ranks", "2")
     line = data["sharded"]["4"]
@@ -230,6 +236,9 @@ def test_hsdp_solves_once_per_job_and_prices_the_replica_gather(tmp_path, capsys
     matrices, duals = cost_model.matrix_elements(targs)
     assert matrices == 2 * 12 * 64 * 64
     assert line["bytes_per_rank"] == pytest.approx(shard + 0.5 * 4 * (matrices + duals) / 2)
+    # across nodes the replica all-gather runs at the NIC's 50 GB/s, 7x slower than NVLink: a larger
+    # figure, reported on the sharded line (which still ends the output)
+    assert line["internode_ratio"] > line["ratio"]
     with pytest.raises(SystemExit):
         cost_model.parse_args(["--fsdp", "--fsdp-shard-ranks", "3", "--world-size", "8"])
     with pytest.raises(SystemExit):
