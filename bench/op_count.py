@@ -173,14 +173,9 @@ def tf32_allowed():
 
 
 def triton_fp32_precision():
-    """tl.dot's precision for fp32 operands, as kernels/products_triton.py would choose it."""
-    try:
-        from kernels.products_triton import fp32_precision
-    except ImportError:  # no Triton here: its rule (3xTF32 unless the solver or torch asks for TF32)
-        from kernels.precision import bf16_active, tf32_active
-        if bf16_active():
-            return "bf16"
-        return "tf32" if tf32_active() or tf32_allowed() else "tf32x3"
+    """tl.dot's precision for fp32 operands, as kernels/products_triton.py chooses it (its rule lives
+    in kernels.precision, importable without Triton)."""
+    from kernels.precision import fp32_precision
     return fp32_precision()
 
 

@@ -4,7 +4,7 @@ TF32 keeps fp32's exponent and 10 of its 23 mantissa bits; tensor cores multiply
 and accumulate in fp32, at 3x the rate of 3xTF32 (which splits each operand into a TF32 head
 and tail to recover fp32 accuracy). Inside `tf32_products()`:
 
-* the Triton kernels pass input_precision="tf32" for fp32 operands (products_triton.fp32_precision);
+* the Triton kernels pass input_precision="tf32" for fp32 operands (fp32_precision);
 * the torch twin (products_torch) rounds its fp32 operands to TF32 (round to nearest even), on any
   device, so that a CPU run computes what TF32 tensor cores would, up to accumulation order.
   The hardware's conversion may truncate instead of rounding; the solver's direction quality
@@ -59,6 +59,24 @@ def tf32_active():
     """Do products read TF32 operands here? (The products' precision only: how many steps a
     computation runs is decided by its caller's plan, never here.)"""
     return _depth > 0
+
+
+def fp32_precision():
+    """tl.dot input precision for fp32 tensors: TF32 inside tf32_products() and
+    where torch lets its CUDA fp32 matmuls use TF32, 3xTF32 (close to fp32) elsewhere (torch's
+    default); "bf16" (not a tl.dot precision: the kernels cast the tiles) inside
+    bf16_products()."""
+    if bf16_active():
+        return "bf16"
+    if tf32_active():
+        return "tf32"
+    # torch.backends.cuda.matmul.fp32_precision reflects both the new API and the legacy
+    # set_float32_matmul_precision ("none" = never set); the legacy getter raises once the
+    # new API was used.
+    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if setting is None:  # torch before 2.9
+        setting = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return "tf32" if setting == "tf32" else "tf32x3"
 
 
 def round_to_tf32(X):

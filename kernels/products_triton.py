@@ -39,31 +39,13 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.precision import bf16_active, tf32_active
+from kernels.precision import fp32_precision
 
 # Kernel launches per function: lets tests prove that the Triton path ran, and how often.
 LAUNCHES = Counter()
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SMALL = 32            # the tile width of small problems and of the interpreter
 SMALL_PROBLEM = 256   # output dimensions below this use the SMALL configuration
-
-
-def fp32_precision():
-    """tl.dot input precision for fp32 tensors: TF32 inside kernels.precision.tf32_products() and
-    where torch lets its CUDA fp32 matmuls use TF32, 3xTF32 (close to fp32) elsewhere (torch's
-    default); "bf16" (not a tl.dot precision: the kernels cast the tiles) inside
-    kernels.precision.bf16_products()."""
-    if bf16_active():
-        return "bf16"
-    if tf32_active():
-        return "tf32"
-    # torch.backends.cuda.matmul.fp32_precision reflects both the new API and the legacy
-    # set_float32_matmul_precision ("none" = never set); the legacy getter raises once the
-    # new API was used.
-    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
-    if setting is None:  # torch before 2.9
-        setting = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    return "tf32" if setting == "tf32" else "tf32x3"
 
 
 @triton.jit
