@@ -48,9 +48,11 @@ This line is analytical (no sharded step runs here): it prices the exchange issu
 over all N ranks (each matrix solved once per job), out and back inside the shard group 1/R of
 FSDP-over-S's bytes, plus the replica all-gather of the shard's new W and warm starts,
 (R - 1) / R x 4 bytes an element; forward+backward per rank from the same global batch over N.
-Under HSDP the line also gives R across nodes: the replica all-gather (each bucket's, after its
-shard-group return) on its own link, one 400 Gb/s InfiniBand NIC per GPU (H200["internode_bytes_per_s"]),
-the shard group's exchange on NVLink. DDP's figures keep one link at every world size.
+Links: a collective among at most H200["node_gpus"] ranks runs at NVLink's rate, one among more
+crosses nodes and runs at one 400 Gb/s InfiniBand NIC per GPU's (link_rate; DDP's gathers at
+world size 64 included). Under HSDP the replica all-gather (each bucket's, after its shard-group
+return) has a link of its own: the NIC when the job spans nodes. The sharded line also gives the
+figure with every byte on one NVLink link, as it was priced before.
 """
 import argparse
 import contextlib
@@ -93,7 +95,8 @@ H200 = {
     "node_gpus": 8,
     "internode_bytes_per_s": 400e9 / 8,
 }
-OVERLAP_NOTE = ("overlap: each collective's bytes on its rank's link at 350 GB/s (ring all-gather (n-1) x its input, "
+OVERLAP_NOTE = ("overlap: each collective's bytes on its rank's link at 350 GB/s (NVLink; 50 GB/s, one 400 Gb/s "
+                "InfiniBand NIC per GPU, where its ranks span nodes of 8) (ring all-gather (n-1) x its input, "
                 "reduce-scatter (n-1)/n, all-reduce 2(n-1)/n, all-to-all the others' parts), collectives one after "
                 "another in the order posted; an async one overlaps the compute (products, launches, syncs, linalg) "
                 "the step records between its post and its wait(), a synchronous one overlaps nothing; the step "
@@ -416,9 +419,10 @@ def overlapped(events, compute_end):
     return max([compute_end + stall] + [end for key, end in ends.items() if key not in waited]), transfer
 
 
-def estimate(summary):
+def estimate(summary, world_size=1):
     """Seconds of one rank's step on one H200 from its counts: compute_parts, and the collectives'
-    transfers overlapped with the compute between each one's post and its wait (`overlapped`)."""
+    transfers overlapped with the compute between each one's post and its wait (`overlapped`), at
+    link_rate(world_size) (NVLink inside a node, the InfiniBand NIC across nodes)."""
     parts = compute_parts(summary)
     compute = sum(parts.values())
     events = []
@@ -426,7 +430,7 @@ def estimate(summary):
         t = summary["transfers"][index]
         if kind == "post":
             events.append(("post", index, sum(compute_parts(t["posted"]).values()),
-                           t["wire_bytes"] / H200["link_bytes_per_s"]))
+                           t["wire_bytes"] / link_rate(world_size)))
         else:
             events.append(("wait", index, sum(compute_parts(t["waited"]).values())))
     step, transfer = overlapped(events, compute)
@@ -471,7 +475,7 @@ def print_world(world_size, ranks, owners, fb, muon):
             f" {'gather MB':>9} {'EST ms':>8}")
     print(head)
     for rank, r in enumerate(ranks):
-        est = estimate(r)
+        est = estimate(r, world_size)
         print(f"  {rank:>4} {r['pieces']:>6} " + " ".join(f"{gf(r['flops_by_precision'].get(label, 0)):>19}"
                                                         for label in labels)
               + f" {sum(r['triton_launches'].values()):>7} {r['kernels']:>6} {r['launches']:>7}"
@@ -480,8 +484,8 @@ def print_world(world_size, ranks, owners, fb, muon):
     if world_size > 1:
         total = {label: sum(r["flops_by_precision"].get(label, 0) for r in ranks) for label in labels}
         print("  sum  " + " " * 6 + " ".join(f"{gf(total[label]):>19}" for label in labels))
-    slowest = max(ranks, key=lambda r: estimate(r)["total"])
-    est = estimate(slowest)
+    slowest = max(ranks, key=lambda r: estimate(r, world_size)["total"])
+    est = estimate(slowest, world_size)
     print(f"  ESTIMATE, one H200{' (slowest rank)' if world_size > 1 else ''}: optimizer step "
           f"{1e3 * est['total']:.2f} ms (products {1e3 * est['products']:.2f}, launches {1e3 * est['launches']:.2f}, "
           f"syncs {1e3 * est['syncs']:.2f}, literals {1e3 * est['literals']:.2f}, linalg {1e3 * est['linalg']:.2f}, "
@@ -506,6 +510,32 @@ def matrix_elements(targs):
         matrices += targs.n_layer * rows * cols
         duals += targs.n_layer * dual_elements(assignment[key], rows, cols)
     return matrices, duals
+
+
+def link_rate(ranks):
+    """Bytes per second of a collective over `ranks` ranks: NVLink's inside one node (ranks <=
+    H200["node_gpus"]), one InfiniBand NIC per GPU's across nodes (a ring's slowest hop)."""
+    return H200["link_bytes_per_s"] if ranks <= H200["node_gpus"] else H200["internode_bytes_per_s"]
+
+
+def exchange_timeline(per_bucket, share, out, back, replica, shard_rate, replica_rate):
+    """(seconds, transfer seconds) of the sharded step as issue 59 has it: each bucket's out and
+    back async, double-buffered (the next bucket's out and this one's back in flight while the
+    next solves), in post order on the shard group's link; `replica` bytes (HSDP's all-gather
+    across the replicas) follow each bucket's back on a link of their own at replica_rate.
+    Bytes are the step's totals, each bucket's `share` of them."""
+    events, clock, returns = [("post", ("out", 0), 0.0, out * share[0] / shard_rate)], 0.0, []
+    for b, seconds in enumerate(per_bucket):
+        events.append(("wait", ("out", b), clock))
+        if b + 1 < len(per_bucket):
+            events.append(("post", ("out", b + 1), clock, out * share[b + 1] / shard_rate))
+        clock += seconds
+        events.append(("post", ("back", b), clock, back * share[b] / shard_rate))
+        returns.append(("back", b))
+        if replica:
+            events.append(("post", ("replica", b), clock, replica * share[b] / replica_rate, "replica", ("back", b)))
+            returns.append(("replica", b))
+    return overlapped(events + [("wait", key, clock) for key in returns], clock)
 
 
 def sharded_line(args, world_size, ranks, fb, plan, ddp_seconds):
@@ -549,53 +579,35 @@ def sharded_line(args, world_size, ranks, fb, plan, ddp_seconds):
     # each bucket's bytes in proportion to its elements (its pieces' W; warm starts taken alike)
     sizes = [sum(exchange.piece_numel(piece) for _, pieces in bucket for piece in pieces) for bucket in bucketed]
     share = [size / sum(sizes) for size in sizes]
-    rate = H200["link_bytes_per_s"]
-    # the exchange as issue 59 has it: each bucket's out and back async, double-buffered (the next
-    # bucket's out and this one's back in flight while the next solves), one link in post order
-    events, clock = [("post", ("out", 0), 0.0, out * share[0] / rate)], 0.0
-    for b, seconds in enumerate(per_bucket):
-        events.append(("wait", ("out", b), clock))
-        if b + 1 < len(per_bucket):
-            events.append(("post", ("out", b + 1), clock, out * share[b + 1] / rate))
-        clock += seconds
-        events.append(("post", ("back", b), clock, back * share[b] / rate))
-    events += [("wait", ("back", b), clock) for b in range(len(per_bucket))]
-    fsdp_seconds, transfer = overlapped(events, fsdp_compute)
+    # the links: NVLink inside a node, one InfiniBand NIC per GPU between nodes (link_rate); the
+    # shard group's exchange crosses nodes only where it spans more than one, the replica
+    # all-gather wherever the job does (a shard group is a node, or inside one)
+    shard_rate, replica_rate = link_rate(shard_ranks), link_rate(world_size)
+    fsdp_seconds, transfer = exchange_timeline(per_bucket, share, out, back - replica, replica,
+                                               shard_rate, replica_rate)
+    # the same with every byte at NVLink's rate on one link (the figure before the two links)
+    one_link, _ = exchange_timeline(per_bucket, share, out, back, 0.0, H200["link_bytes_per_s"], None)
     serial = fsdp_compute + transfer
-    # across nodes: a shard group within one node keeps NVLink; the replica all-gather (each
-    # bucket's, after its shard-group return) goes over the InfiniBand NIC, its own link
-    internode = None
-    if replicas > 1 and shard_ranks <= H200["node_gpus"]:
-        nic = H200["internode_bytes_per_s"]
-        split = []
-        for event in events:
-            if event[0] == "post" and event[1][0] == "back":
-                b = event[1][1]
-                split.append(("post", ("shard back", b), event[2], (back - replica) * share[b] / rate))
-                split.append(("post", event[1], event[2], replica * share[b] / nic, "nic", ("shard back", b)))
-            else:
-                split.append(event)
-        internode, _ = overlapped(split, fsdp_compute)
     line = {"bucket_balance": balance, "step_balance": step_balance, "buckets": len(bucketed),
             "bytes_per_rank": received,
             "shard_ranks": shard_ranks, "replicas": replicas, "compute_seconds": fsdp_compute,
             "transfer_seconds": transfer, "optimizer_seconds": fsdp_seconds, "ratio": fsdp_seconds / fb["seconds"],
             "serial_ratio": serial / fb["seconds"], "ddp_ratio": ddp_seconds / fb["seconds"],
-            "internode_ratio": None if internode is None else internode / fb["seconds"]}
+            "one_link_ratio": one_link / fb["seconds"]}
+    links = (f" (the replica all-gather at {replica_rate / 1e9:.0f} GB/s on a link of its own, after each bucket's "
+             f"return)" if replicas > 1 else "")
     mesh = (f", HSDP {replicas} replicas x {shard_ranks} shards, each matrix solved once per job, replica "
             f"all-gather {replica / 1e9:.2f} GB of it" if replicas > 1 else "")
     print(f"\nworld size {world_size}, --fsdp ({len(bucketed)} exchange buckets{mesh}; the buckets' most loaded owners "
           f"summed {step_balance:.3f} of the mean load; ESTIMATE: the counted ranks' "
           f"compute summed and spread over the buckets as their owners carry it; the exchange's bytes at "
-          f"{rate / 1e9:.0f} GB/s, each bucket's in proportion to its elements, out and back async and "
+          f"{shard_rate / 1e9:.0f} GB/s{links}, each bucket's in proportion to its elements, out and back async and "
           f"double-buffered, {1e3 * transfer:.2f} ms in all; serial, no overlap: "
           f"{serial / fb['seconds']:.3f}; DDP at this world size: {line['ddp_ratio']:.3f} ({1e3 * ddp_seconds:.2f} ms))")
-    across = ("" if internode is None else
-              f"; across nodes {line['internode_ratio']:.3f} ({1e3 * internode:.2f} ms: the replica all-gather on "
-              f"one {8 * H200['internode_bytes_per_s'] / 1e9:.0f} Gb/s InfiniBand NIC per GPU, "
-              f"{H200['node_gpus']} GPUs a node, the shard group on NVLink)")
+    nvlink = ("" if one_link == fsdp_seconds else
+              f"; every byte on one NVLink: {line['one_link_ratio']:.3f} ({1e3 * one_link:.2f} ms)")
     print(f"sharded: bucket balance {balance:.3f}, bytes per rank {received / 1e9:.2f} GB, "
-          f"optimizer {line['ratio']:.3f} of a step's forward+backward ({1e3 * fsdp_seconds:.2f} ms){across}")
+          f"optimizer {line['ratio']:.3f} of a step's forward+backward ({1e3 * fsdp_seconds:.2f} ms){nvlink}")
     return line
 
 
@@ -685,15 +697,15 @@ def count_and_report(args, out):
         fb = fwd_bwd(args, matmul_params, world_size)
         muon = field_muon(shapes, world_size)
         print_world(world_size, ranks, owners[world_size], fb, muon)
-        slowest = max(range(world_size), key=lambda r: estimate(ranks[r])["total"])
+        slowest = max(range(world_size), key=lambda r: estimate(ranks[r], world_size)["total"])
         out.put("world_size", str(world_size), value={
             "ranks": ranks, "owned_pieces": owners[world_size],
-            "estimate_per_rank": [estimate(r) for r in ranks],
+            "estimate_per_rank": [estimate(r, world_size) for r in ranks],
             "estimate_slowest_rank": slowest, "fwd_bwd": fb,
-            "ratio_estimate": estimate(ranks[slowest])["total"] / fb["seconds"],
+            "ratio_estimate": estimate(ranks[slowest], world_size)["total"] / fb["seconds"],
             "field_muon": muon,
             "ratio_flops_to_field_muon": sum(r["flops_total"] for r in ranks) / muon["flops"],
-            "ratio_estimate_to_field_muon": estimate(ranks[slowest])["total"] / muon["seconds"],
+            "ratio_estimate_to_field_muon": estimate(ranks[slowest], world_size)["total"] / muon["seconds"],
             "flops_total_all_ranks": sum(r["flops_total"] for r in ranks)})
     first = counts[args.world_size[0]][0]
     print(f"\ntop {args.top} kernels (world size {args.world_size[0]}, rank 0; views and allocations excluded): "
@@ -725,7 +737,7 @@ def count_and_report(args, out):
         for world_size, ranks in counts.items():
             if world_size > 1:
                 line = sharded_line(args, world_size, sharded[world_size], fwd_bwd(args, matmul_params, world_size),
-                                    plan, ddp_seconds=max(estimate(r)["total"] for r in ranks))
+                                    plan, ddp_seconds=max(estimate(r, world_size)["total"] for r in ranks))
                 out.put("sharded", str(world_size), value=line)
     return 0
 
