@@ -193,13 +193,21 @@ class SolverPlan:
         sign = "" if self.clip == "eigh" else f", signs {self.sign_dtype} (clip {self.clip_steps} steps, polar {self.polar_steps})"
         return (f"solver on {self.device}: kernels {self.backend}, clip {self.clip}, iterations {self.precision}{sign}, "
                 f"square stiefel exact ({self.exact_sign[0]} {self.exact_sign[1]}), "
-                f"capturable {'on' if self.capturable else 'off'}; " + (
-                    f"online dual: 1 sign per warm step / {ONLINE_COLD} cold, dual step {o.dual_step} (stiefel {o.stiefel_dual_step}), "
-                    f"sharpen {'on' if o.sharpen else 'off'}"
-                    if o.scheme == "online" else
-                    f"ADMM {o.iterations} warm / {2 * o.iterations} cold "
-                    f"(x2 near-square), pullbacks {o.pullbacks}, rho {o.rho} / {o.rho_warm} x{o.rho_growth}, "
-                    f"relax {o.relax}, warm average {o.warm_average}, tol {o.tol:g}"))
+                f"capturable {'on' if self.capturable else 'off'}; " + self.scheme_summary())
+
+    def scheme_summary(self):
+        """The scheme's own settings, for summary()."""
+        o = self.options
+        if o.scheme == "online":
+            return (f"online dual: 1 sign per warm step / {ONLINE_COLD} cold, dual step {o.dual_step} "
+                    f"(stiefel {o.stiefel_dual_step}), sharpen {'on' if o.sharpen else 'off'}")
+        if o.scheme == "newton":
+            from manifolds import newton
+            return (f"newton: {newton.NEWTON_WARM} damped Newton steps on the multiplier per warm step / "
+                    f"{newton.NEWTON_COLD} cold, {newton.CG_STEPS} CG steps each, damping {newton.DAMPING}")
+        return (f"ADMM {o.iterations} warm / {2 * o.iterations} cold "
+                f"(x2 near-square), pullbacks {o.pullbacks}, rho {o.rho} / {o.rho_warm} x{o.rho_growth}, "
+                f"relax {o.relax}, warm average {o.warm_average}, tol {o.tol:g}")
 
 
 def plan_for(options, device, dtype=torch.float32):

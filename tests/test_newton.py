@@ -173,3 +173,13 @@ def test_jacobian_products_run_at_tf32_under_a_tf32_plan_and_still_reach_the_opt
     warm = quality(W, Gs[-1], solution.A[0], opt)
     cold = quality(W, Gs[-1], steepest_direction(W, Gs[-1], "dgram", scheme="newton", precision="tf32"), opt)
     assert warm >= 0.99 and cold >= 0.99, (warm, cold)
+
+
+def test_the_run_log_names_the_scheme_that_runs():
+    """SolverPlan.summary(), the trainer's "solver on ..." line: each scheme states its own settings
+    (a newton run's log once described ADMM's budget, the else branch of a two-way choice)."""
+    from manifolds.plan import SolverOptions, plan_for
+    lines = {scheme: plan_for(SolverOptions(scheme=scheme), "cpu").summary() for scheme in ("online", "admm", "newton")}
+    assert "online dual:" in lines["online"] and "ADMM" not in lines["online"]
+    assert "ADMM 3 warm" in lines["admm"]
+    assert "newton: 2 damped Newton steps" in lines["newton"] and "ADMM" not in lines["newton"]
