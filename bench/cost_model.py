@@ -92,6 +92,8 @@ H200 = {
     # InfiniBand NIC per GPU, 8 GPUs a node (an H200 SXM x 8 system: MLCommons inference v4.1,
     # closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json: "18x 4th Gen NVLink, 900GB/s",
     # "10x 400Gbe Infiniband", 8 of them for the GPUs), its line rate, no protocol overhead
+    # HBM3e's peak (NVIDIA's H200 SXM figure, 4.8 TB/s): kernels that are not products move bytes
+    "hbm_bytes_per_s": 4.8e12,
     "node_gpus": 8,
     "internode_bytes_per_s": 400e9 / 8,
 }
@@ -101,6 +103,10 @@ OVERLAP_NOTE = ("overlap: each collective's bytes on its rank's link at 350 GB/s
                 "another in the order posted; an async one overlaps the compute (products, launches, syncs, linalg) "
                 "the step records between its post and its wait(), a synchronous one overlaps nothing; the step "
                 "ends when its compute and every transfer are done; compute is not slowed by a transfer")
+MEMORY_NOTE = ("memory: a kernel that is not a product (elementwise, reductions, copies, outside the Triton "
+               "products) takes the longer of its launch and its bytes read and written (a broadcast input "
+               "once) at 4.8 TB/s, HBM3e's peak: optimistic for large tensors (real kernels reach less than "
+               "the peak), pessimistic for small ones (L2 may hold them between kernels)")
 LINALG_NOTE = ("linalg ops (eigh ~9 q^3, cholesky q^3/3, triangular solve q^2 k FLOPs) at 50 TFLOP/s plus "
                "a launch each: a rough guess and likely optimistic (cuSOLVER's batched factorizations are "
                "sequential panel algorithms, often milliseconds at q = 768)")
@@ -388,10 +394,13 @@ def sharded_cut():
 
 def compute_parts(progress):
     """Seconds of the compute a count (OpCounter.progress, or a summary) holds: products at their
-    precision's rate, launches, syncs, literals, linalg (additive; memory traffic not modelled)."""
+    precision's rate, launches, memory, syncs, literals, linalg (additive). memory: a kernel that is
+    not a product (elementwise, reductions, copies) takes the longer of its launch and its bytes
+    read and written at HBM's rate (MEMORY_NOTE), what it adds beyond the launch."""
     return {"products": sum(flops / H200[RATE_OF.get(label, "ieee_fp32_flops")]
                             for label, flops in progress["flops_executed_by_precision"].items()),
             "launches": progress["launches"] * H200["launch_s"],
+            "memory": sum(max(0.0, n / H200["hbm_bytes_per_s"] - H200["launch_s"]) for n in progress.get("op_bytes", ())),
             "syncs": progress["host_syncs"] * H200["sync_s"],
             "literals": progress["host_literals"] * H200["literal_s"],
             "linalg": sum(progress["linalg_flops"].values()) / H200["linalg_flops"]}
@@ -488,6 +497,7 @@ def print_world(world_size, ranks, owners, fb, muon):
     est = estimate(slowest, world_size)
     print(f"  ESTIMATE, one H200{' (slowest rank)' if world_size > 1 else ''}: optimizer step "
           f"{1e3 * est['total']:.2f} ms (products {1e3 * est['products']:.2f}, launches {1e3 * est['launches']:.2f}, "
+          f"memory {1e3 * est['memory']:.2f}, "
           f"syncs {1e3 * est['syncs']:.2f}, literals {1e3 * est['literals']:.2f}, linalg {1e3 * est['linalg']:.2f}, "
           f"transfer {1e3 * est['transfer']:.2f} of which exposed {1e3 * est['exposed_transfer']:.2f}); "
           f"fwd+bwd of {fb['tokens_per_rank']} tokens {1e3 * fb['seconds']:.1f} ms; "
@@ -617,7 +627,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     commit, dirty = git_commit()
     out = Results(args.out, config={k: v for k, v in vars(args).items()}, constants=H200,
-                  linalg_assumption=LINALG_NOTE, overlap_assumption=OVERLAP_NOTE, commit=commit, uncommitted_changes=dirty)
+                  linalg_assumption=LINALG_NOTE, memory_assumption=MEMORY_NOTE, overlap_assumption=OVERLAP_NOTE, commit=commit, uncommitted_changes=dirty)
     trainer_args(args)  # a bad --solver-opt is a UserError before anything is built
     print(f"ManifoldMuon step, {args.assign}, {args.n_layer} layers x n_embd {args.n_embd}, solver options "
           f"{' '.join(GPU_SOLVER_OPTS + tuple(args.solver_opt))}, solver precision {args.solver_precision}"
@@ -690,8 +700,8 @@ def count_and_report(args, out):
           f"{time.perf_counter() - t0:.1f} s; {plan.summary()}")
     print("constants (one H200, for the ESTIMATE): bf16 395 TFLOP/s (half of 790 measured on a large product), "
           "TF32 198, 3xTF32 66, IEEE fp32 50; 5 us per launch, 20 us per host sync or tensor literal; "
-          "products, launches, syncs and linalg added; "
-          f"{OVERLAP_NOTE}; "
+          "products, launches, memory, syncs and linalg added; "
+          f"{MEMORY_NOTE}; {OVERLAP_NOTE}; "
           f"{LINALG_NOTE}; fwd+bwd 6 N T + 12 L d s T FLOPs at 395 TFLOP/s (N = {matmul_params:,})")
     for world_size, ranks in counts.items():
         fb = fwd_bwd(args, matmul_params, world_size)

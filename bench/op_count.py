@@ -157,6 +157,21 @@ LINALG_FLOPS = {"_linalg_eigh": _eigh, "linalg_eigh": _eigh, "linalg_cholesky_ex
 CHECKS_INFO = frozenset(("_linalg_eigh", "linalg_eigh", "cholesky", "linalg_inv", "_linalg_svd", "linalg_svd"))
 
 
+def tensor_bytes(tree):
+    """Bytes of the tensors in `tree` (an op's inputs and outputs) as memory holds them: a
+    broadcast dimension (stride 0) is read once, not once per element it stands for."""
+    from torch.utils._pytree import tree_flatten
+    total = 0
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor):
+            n = 1
+            for size, stride in zip(t.shape, t.stride()):
+                if stride != 0:
+                    n *= size
+            total += n * t.element_size()
+    return total
+
+
 def is_linalg(name):
     if name in ("linalg_vector_norm", "linalg_matrix_norm"):
         return False  # reductions, not factorizations
@@ -247,6 +262,7 @@ class OpCounter(HostReadMode):
         self.triton_executed = Counter()  # function -> FLOPs the Triton kernel computes (upper tiles)
         self.executed = Counter()        # precision label -> FLOPs as the GPU would compute them
         self.triton_extra_kernels = 0    # torch ops the Triton wrappers launch besides the kernel
+        self.op_bytes = []               # bytes each memory-bound kernel reads and writes, in program order
         self.collectives = []            # (name, bytes sent by this rank)
         # simulated collectives in post order: {name, wire_bytes, posted: progress(), waited: progress()
         # or None (never waited in the step)}; a synchronous one is waited where it is posted
@@ -276,20 +292,25 @@ class OpCounter(HostReadMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self._paused:
-            self._count(func.overloadpacket.__name__, args, kwargs)
-        return func(*args, **kwargs)
+        memory_bound = not self._paused and self._count(func.overloadpacket.__name__, args, kwargs)
+        out = func(*args, **kwargs)
+        if memory_bound:
+            # an out= tensor is the output itself: its bytes are written once
+            self.op_bytes.append(tensor_bytes((args, {k: v for k, v in kwargs.items() if k != "out"}, out)))
+        return out
 
     def _count(self, name, args, kwargs):
+        """Count one aten op; True where it is a kernel of its own that is not a product or a
+        factorization (elementwise, reductions, copies: priced by the bytes they move too)."""
         if name in SYNC_OPS:
             self.host_read(name)
-            return
+            return False
         if name in VIEW_OPS:
-            return
+            return False
         if name in LITERAL_OPS:
             if args[0].dim() > 0:
                 self.literals[name] += 1
-                return
+                return False
             name = "scalar_tensor"  # `t[i] = 2.0`: on CUDA a 0-dim device tensor, made by a fill kernel
         triton = self._triton_depth > 0
         (self.fused if triton else self.kernels)[name] += 1
@@ -312,12 +333,14 @@ class OpCounter(HostReadMode):
                 self.linalg_flops[name] += flops
                 if self.record_sites:
                     self.sites[(call_site(), name)] += flops
+        return not triton and name not in PRODUCT_FLOPS and not is_linalg(name)
 
     def progress(self):
         """Where the step stands: the counts so far that the cost model prices as compute."""
         return {"launches": self.launches, "host_syncs": self.sync_count,
                 "host_literals": sum(self.literals.values()),
-                "flops_executed_by_precision": dict(self.executed), "linalg_flops": dict(self.linalg_flops)}
+                "flops_executed_by_precision": dict(self.executed), "linalg_flops": dict(self.linalg_flops),
+                "op_bytes": list(self.op_bytes)}
 
     def record_post(self, name, wire_bytes):
         self.transfers.append({"name": name, "wire_bytes": wire_bytes, "posted": self.progress(), "waited": None})
@@ -362,6 +385,8 @@ class OpCounter(HostReadMode):
             "triton_flops_executed": dict(self.triton_executed),
             "linalg": dict(self.linalg),
             "linalg_flops": dict(self.linalg_flops),
+            "op_bytes": list(self.op_bytes),
+            "memory_bytes": sum(self.op_bytes),
             "linalg_syncing_on_cuda": sum(n for name, n in self.linalg.items() if name in CHECKS_INFO),
             "collectives": len(self.collectives),
             "collective_bytes_sent": sum(b for _, b in self.collectives),

@@ -119,6 +119,28 @@ def test_fsdp_prints_the_sharded_line_with_its_balance_bytes_and_estimate(tmp_pa
     assert printed.rstrip().splitlines()[-1].startswith("sharded: ")  # the last line, for scripts to read
 
 
+def test_memory_bound_kernels_cost_their_bytes_at_hbms_rate():
+    """A kernel that is not a product costs the longer of its launch and its bytes (inputs read,
+    output written, a broadcast input once, an out= tensor once) at 4.8 TB/s; products and views
+    move none here (FLOPs price the products)."""
+    x, y = torch.randn(1000, 1000), torch.randn(1000, 1)
+    with OpCounter() as counter:
+        x * y                                   # 4e6 + 4e3 read, 4e6 written
+        torch.mul(x, 2.0, out=torch.empty_like(x))  # out= counted once (as the output)
+        x.sum()                                 # 4e6 read, 4 written
+        x @ x                                   # a product: FLOPs, no bytes
+        x.view(-1)                              # a view: nothing
+    assert counter.op_bytes == [8_004_000, 8_000_000, 4_000_004]
+    parts = cost_model.compute_parts(counter.progress())
+    rate, launch = cost_model.H200["hbm_bytes_per_s"], cost_model.H200["launch_s"]
+    assert parts["memory"] == pytest.approx(sum(max(0.0, n / rate - launch) for n in counter.op_bytes))
+    assert parts["memory"] == 0.0  # 8 MB is 1.7 us at 4.8 TB/s: under a launch
+    z = torch.zeros(1 << 26)
+    with OpCounter() as big:
+        z + 1.0                                 # 2^26 floats read and written: 0.11 ms, beyond a launch
+    assert cost_model.compute_parts(big.progress())["memory"] == pytest.approx(2 * 4 * 2 ** 26 / rate - launch)
+
+
 def test_fake_counts_equal_real_counts(tmp_path):
     # the default, sync-free step. One ADMM bank (mlp.fc, span-reduced), square Stiefel's dual (attn.proj), two plain Muon
     # banks: every solver path at a third of hetero's ops (fake tensors cost ~1 ms an op here)
@@ -128,7 +150,7 @@ def test_fake_counts_equal_real_counts(tmp_path):
     _, real = _run(tmp_path, "real", "--world-size", "2", *flags)
     assert fake["mode"] == "fake" and real["mode"] == "real"
     keys = ("kernels", "kernels_top", "triton_launches", "launches", "flops_by_precision", "host_syncs",
-            "host_literals", "linalg", "collective_bytes_sent")
+            "host_literals", "linalg", "collective_bytes_sent", "op_bytes")
     for f, r in zip(fake["world_size"]["2"]["ranks"], real["world_size"]["2"]["ranks"], strict=True):
         assert {k: f[k] for k in keys} == {k: r[k] for k in keys}
         assert r["host_syncs"] == 0 and r["kernels"] > 0
