@@ -522,6 +522,14 @@ def matrix_elements(targs):
     return matrices, duals
 
 
+def momentum_memory(summary):
+    """Seconds of a count's memory term spent in the momentum update (optimizer._momenta), which
+    touches every matrix of the model on every DDP rank."""
+    return sum(max(0.0, n / H200["hbm_bytes_per_s"] - H200["launch_s"])
+               for n, site in zip(summary.get("op_bytes", ()), summary.get("op_sites", ()))
+               if site is not None and site.endswith(" _momenta"))
+
+
 def link_rate(ranks):
     """Bytes per second of a collective over `ranks` ranks: NVLink's inside one node (ranks <=
     H200["node_gpus"]), one InfiniBand NIC per GPU's across nodes (a ring's slowest hop)."""
@@ -566,7 +574,9 @@ def sharded_line(args, world_size, ranks, fb, plan, ddp_seconds):
     owners = exchange.bucket_owners(bucketed, plan, world_size)
     balance = exchange.bucket_balance(bucketed, owners, plan, world_size)
     loads = exchange.bucket_loads(bucketed, owners, plan, world_size)
-    compute = sum(estimate(r)["compute"] for r in ranks)  # every rank's share, summed
+    # every rank's share, summed; less the momentum update's memory traffic that a DDP rank spends
+    # on every matrix and an FSDP rank on its shard only (1 / world_size of it)
+    compute = sum(estimate(r)["compute"] - (1 - 1 / world_size) * momentum_memory(r) for r in ranks)
     per_bucket = [compute * max(load) / sum(sum(load) for load in loads) for load in loads]
     # what the step waits on: each bucket's most loaded owner, summed, over the mean load
     step_balance = sum(max(load) for load in loads) * world_size / sum(sum(load) for load in loads)

@@ -263,6 +263,7 @@ class OpCounter(HostReadMode):
         self.executed = Counter()        # precision label -> FLOPs as the GPU would compute them
         self.triton_extra_kernels = 0    # torch ops the Triton wrappers launch besides the kernel
         self.op_bytes = []               # bytes each memory-bound kernel reads and writes, in program order
+        self.op_sites = []               # (sites=True) the call site of each of op_bytes
         self.collectives = []            # (name, bytes sent by this rank)
         # simulated collectives in post order: {name, wire_bytes, posted: progress(), waited: progress()
         # or None (never waited in the step)}; a synchronous one is waited where it is posted
@@ -297,6 +298,8 @@ class OpCounter(HostReadMode):
         if memory_bound:
             # an out= tensor is the output itself: its bytes are written once
             self.op_bytes.append(tensor_bytes((args, {k: v for k, v in kwargs.items() if k != "out"}, out)))
+            if self.record_sites:
+                self.op_sites.append(call_site())
         return out
 
     def _count(self, name, args, kwargs):
@@ -386,6 +389,7 @@ class OpCounter(HostReadMode):
             "linalg": dict(self.linalg),
             "linalg_flops": dict(self.linalg_flops),
             "op_bytes": list(self.op_bytes),
+            "op_sites": list(self.op_sites),
             "memory_bytes": sum(self.op_bytes),
             "linalg_syncing_on_cuda": sum(n for name, n in self.linalg.items() if name in CHECKS_INFO),
             "collectives": len(self.collectives),

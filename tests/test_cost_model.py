@@ -141,6 +141,19 @@ def test_memory_bound_kernels_cost_their_bytes_at_hbms_rate():
     assert cost_model.compute_parts(big.progress())["memory"] == pytest.approx(2 * 4 * 2 ** 26 / rate - launch)
 
 
+def test_the_sharded_line_charges_each_rank_its_shard_of_the_momentum_traffic(tmp_path):
+    """A DDP rank updates the momentum of every matrix (its count's _momenta kernels move the whole
+    model's bytes); the sharded line, built from those counts, keeps 1 / world_size of that traffic
+    per rank (cost_model.momentum_memory names it by call site)."""
+    summary = {"op_bytes": [480_000_000, 480_000_000],
+               "op_sites": ["manifolds/optimizer.py:553 _momenta", "manifolds/solver.py:83 unit"]}
+    assert cost_model.momentum_memory(summary) == pytest.approx(1e-4 - cost_model.H200["launch_s"])
+    _, data = _run(tmp_path, "sites", "--world-size", "2", "--fake-only")
+    rank = data["world_size"]["2"]["ranks"][0]
+    assert len(rank["op_sites"]) == len(rank["op_bytes"]) > 0
+    assert any((site or "").endswith(" _momenta") for site in rank["op_sites"])  # the name momentum_memory reads
+
+
 def test_fake_counts_equal_real_counts(tmp_path):
     # the default, sync-free step. One ADMM bank (mlp.fc, span-reduced), square Stiefel's dual (attn.proj), two plain Muon
     # banks: every solver path at a third of hetero's ops (fake tensors cost ~1 ms an op here)
