@@ -14,8 +14,9 @@ step, TF32 iterations; --solver-opt KEY=VALUE, --exchange-opt KEY=VALUE and --so
 after those), gives every matrix a momentum-like gradient (bench/optimizer.py), runs one untimed
 step (momenta and warm starts created), then counts ONE warm step op by op (bench/op_count.py):
 kernel launches (torch ops; each call of the three kernel products is one Triton launch),
-host syncs, dense-product FLOPs by the precision they would run at on a GPU, and the
-linear-algebra ops. For world size N > 1 the same step is counted N times, once "as rank r"
+host syncs, dense-product FLOPs by the precision they would run at on a GPU, the bytes each
+kernel that is not a product reads and writes (priced at HBM's rate where that outlasts its
+launch: MEMORY_NOTE), and the linear-algebra ops. For world size N > 1 the same step is counted N times, once "as rank r"
 (opt.world_size / opt.rank set on an optimizer built without torch.distributed, collectives
 replaced by no-ops that record their bytes), each from the same state: what each rank of an
 N-GPU run computes and sends.
