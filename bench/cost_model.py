@@ -89,12 +89,12 @@ H200 = {
     "linalg_flops": 50e12,           # eigh / cholesky / triangular solve: a rough guess, see below
     "fwd_bwd_flops": 395e12,         # forward + backward at half of bf16 peak
     "link_bytes_per_s": 350e9,       # a rank's link (NVLink ring bus bandwidth, assumed), every collective's bytes
-    # across nodes (HSDP's replica collectives, the --fsdp line's second figure): one 400 Gb/s
-    # InfiniBand NIC per GPU, 8 GPUs a node (an H200 SXM x 8 system: MLCommons inference v4.1,
-    # closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json: "18x 4th Gen NVLink, 900GB/s",
-    # "10x 400Gbe Infiniband", 8 of them for the GPUs), its line rate, no protocol overhead
     # HBM3e's peak (NVIDIA's H200 SXM figure, 4.8 TB/s): kernels that are not products move bytes
     "hbm_bytes_per_s": 4.8e12,
+    # across nodes (a collective over more than one node: HSDP's replica all-gather, DDP beyond 8
+    # ranks): one 400 Gb/s InfiniBand NIC per GPU, 8 GPUs a node (an H200 SXM x 8 system: MLCommons
+    # inference v4.1, closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json: "18x 4th Gen NVLink,
+    # 900GB/s", "10x 400Gbe Infiniband", 8 of them for the GPUs), its line rate, no protocol overhead
     "node_gpus": 8,
     "internode_bytes_per_s": 400e9 / 8,
 }
@@ -393,15 +393,20 @@ def sharded_cut():
 
 # --- the estimate -------------------------------------------------------------------------------
 
-def compute_parts(progress):
+def memory_seconds(nbytes):
+    """What a kernel that is not a product adds beyond its launch: it takes the longer of the
+    launch and its bytes read and written at HBM's rate (MEMORY_NOTE)."""
+    return max(0.0, nbytes / H200["hbm_bytes_per_s"] - H200["launch_s"])
+
+
+def compute_parts(progress, op_bytes=()):
     """Seconds of the compute a count (OpCounter.progress, or a summary) holds: products at their
-    precision's rate, launches, memory, syncs, literals, linalg (additive). memory: a kernel that is
-    not a product (elementwise, reductions, copies) takes the longer of its launch and its bytes
-    read and written at HBM's rate (MEMORY_NOTE), what it adds beyond the launch."""
+    precision's rate, launches, memory, syncs, literals, linalg (additive). memory: memory_seconds
+    of the first progress["memory_ops"] of op_bytes (the count's, in program order)."""
     return {"products": sum(flops / H200[RATE_OF.get(label, "ieee_fp32_flops")]
                             for label, flops in progress["flops_executed_by_precision"].items()),
             "launches": progress["launches"] * H200["launch_s"],
-            "memory": sum(max(0.0, n / H200["hbm_bytes_per_s"] - H200["launch_s"]) for n in progress.get("op_bytes", ())),
+            "memory": sum(map(memory_seconds, op_bytes[:progress.get("memory_ops", 0)])),
             "syncs": progress["host_syncs"] * H200["sync_s"],
             "literals": progress["host_literals"] * H200["literal_s"],
             "linalg": sum(progress["linalg_flops"].values()) / H200["linalg_flops"]}
@@ -433,16 +438,17 @@ def estimate(summary, world_size=1):
     """Seconds of one rank's step on one H200 from its counts: compute_parts, and the collectives'
     transfers overlapped with the compute between each one's post and its wait (`overlapped`), at
     link_rate(world_size) (NVLink inside a node, the InfiniBand NIC across nodes)."""
-    parts = compute_parts(summary)
+    op_bytes = summary.get("op_bytes", ())
+    parts = compute_parts(summary, op_bytes)
     compute = sum(parts.values())
     events = []
     for kind, index in summary.get("transfer_order", ()):
         t = summary["transfers"][index]
         if kind == "post":
-            events.append(("post", index, sum(compute_parts(t["posted"]).values()),
+            events.append(("post", index, sum(compute_parts(t["posted"], op_bytes).values()),
                            t["wire_bytes"] / link_rate(world_size)))
         else:
-            events.append(("wait", index, sum(compute_parts(t["waited"]).values())))
+            events.append(("wait", index, sum(compute_parts(t["waited"], op_bytes).values())))
     step, transfer = overlapped(events, compute)
     parts.update(compute=compute, transfer=transfer, exposed_transfer=step - compute, total=step)
     return parts
@@ -526,8 +532,7 @@ def matrix_elements(targs):
 def momentum_memory(summary):
     """Seconds of a count's memory term spent in the momentum update (optimizer._momenta), which
     touches every matrix of the model on every DDP rank."""
-    return sum(max(0.0, n / H200["hbm_bytes_per_s"] - H200["launch_s"])
-               for n, site in zip(summary.get("op_bytes", ()), summary.get("op_sites", ()))
+    return sum(memory_seconds(n) for n, site in zip(summary.get("op_bytes", ()), summary.get("op_sites", ()))
                if site is not None and site.endswith(" _momenta"))
 
 

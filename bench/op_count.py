@@ -343,7 +343,7 @@ class OpCounter(HostReadMode):
         return {"launches": self.launches, "host_syncs": self.sync_count,
                 "host_literals": sum(self.literals.values()),
                 "flops_executed_by_precision": dict(self.executed), "linalg_flops": dict(self.linalg_flops),
-                "op_bytes": list(self.op_bytes)}
+                "memory_ops": len(self.op_bytes)}  # how many of op_bytes (the summary's) precede this point
 
     def record_post(self, name, wire_bytes):
         self.transfers.append({"name": name, "wire_bytes": wire_bytes, "posted": self.progress(), "waited": None})
@@ -389,6 +389,7 @@ class OpCounter(HostReadMode):
             "linalg": dict(self.linalg),
             "linalg_flops": dict(self.linalg_flops),
             "op_bytes": list(self.op_bytes),
+            "memory_ops": len(self.op_bytes),
             "op_sites": list(self.op_sites),
             "memory_bytes": sum(self.op_bytes),
             "linalg_syncing_on_cuda": sum(n for name, n in self.linalg.items() if name in CHECKS_INFO),

@@ -131,14 +131,14 @@ def test_memory_bound_kernels_cost_their_bytes_at_hbms_rate():
         x @ x                                   # a product: FLOPs, no bytes
         x.view(-1)                              # a view: nothing
     assert counter.op_bytes == [8_004_000, 8_000_000, 4_000_004]
-    parts = cost_model.compute_parts(counter.progress())
+    parts = cost_model.compute_parts(counter.progress(), counter.op_bytes)
     rate, launch = cost_model.H200["hbm_bytes_per_s"], cost_model.H200["launch_s"]
     assert parts["memory"] == pytest.approx(sum(max(0.0, n / rate - launch) for n in counter.op_bytes))
     assert parts["memory"] == 0.0  # 8 MB is 1.7 us at 4.8 TB/s: under a launch
     z = torch.zeros(1 << 26)
     with OpCounter() as big:
         z + 1.0                                 # 2^26 floats read and written: 0.11 ms, beyond a launch
-    assert cost_model.compute_parts(big.progress())["memory"] == pytest.approx(2 * 4 * 2 ** 26 / rate - launch)
+    assert cost_model.compute_parts(big.progress(), big.op_bytes)["memory"] == pytest.approx(2 * 4 * 2 ** 26 / rate - launch)
 
 
 def test_the_sharded_line_charges_each_rank_its_shard_of_the_momentum_traffic(tmp_path):
