@@ -536,6 +536,15 @@ def momentum_memory(summary):
                if site is not None and site.endswith(" _momenta"))
 
 
+def nonfinite_check_seconds(summary):
+    """Seconds of a count spent in the gradients' finite check (optimizer._zero_nonfinite: every
+    kernel of it memory-bound, each one launch), which a DDP rank runs on every matrix and an FSDP
+    rank on none (its sharded parameters skip it)."""
+    return sum(H200["launch_s"] + memory_seconds(n)
+               for n, site in zip(summary.get("op_bytes", ()), summary.get("op_sites", ()))
+               if site is not None and site.endswith(" _zero_nonfinite"))
+
+
 def link_rate(ranks):
     """Bytes per second of a collective over `ranks` ranks: NVLink's inside one node (ranks <=
     H200["node_gpus"]), one InfiniBand NIC per GPU's across nodes (a ring's slowest hop)."""
@@ -581,8 +590,10 @@ def sharded_line(args, world_size, ranks, fb, plan, ddp_seconds):
     balance = exchange.bucket_balance(bucketed, owners, plan, world_size)
     loads = exchange.bucket_loads(bucketed, owners, plan, world_size)
     # every rank's share, summed; less the momentum update's memory traffic that a DDP rank spends
-    # on every matrix and an FSDP rank on its shard only (1 / world_size of it)
-    compute = sum(estimate(r)["compute"] - (1 - 1 / world_size) * momentum_memory(r) for r in ranks)
+    # on every matrix and an FSDP rank on its shard only (1 / world_size of it), and less the finite
+    # check of the replicated gradients, which sharded ones skip
+    compute = sum(estimate(r)["compute"] - (1 - 1 / world_size) * momentum_memory(r) - nonfinite_check_seconds(r)
+                  for r in ranks)
     per_bucket = [compute * max(load) / sum(sum(load) for load in loads) for load in loads]
     # what the step waits on: each bucket's most loaded owner, summed, over the mean load
     step_balance = sum(max(load) for load in loads) * world_size / sum(sum(load) for load in loads)

@@ -144,7 +144,8 @@ def test_memory_bound_kernels_cost_their_bytes_at_hbms_rate():
 def test_the_sharded_line_charges_each_rank_its_shard_of_the_momentum_traffic(tmp_path):
     """A DDP rank updates the momentum of every matrix (its count's _momenta kernels move the whole
     model's bytes); the sharded line, built from those counts, keeps 1 / world_size of that traffic
-    per rank (cost_model.momentum_memory names it by call site)."""
+    per rank (cost_model.momentum_memory names it by call site) and none of the finite check
+    (nonfinite_check_seconds)."""
     summary = {"op_bytes": [480_000_000, 480_000_000],
                "op_sites": ["manifolds/optimizer.py:553 _momenta", "manifolds/solver.py:83 unit"]}
     assert cost_model.momentum_memory(summary) == pytest.approx(1e-4 - cost_model.H200["launch_s"])
@@ -152,6 +153,12 @@ def test_the_sharded_line_charges_each_rank_its_shard_of_the_momentum_traffic(tm
     rank = data["world_size"]["2"]["ranks"][0]
     assert len(rank["op_sites"]) == len(rank["op_bytes"]) > 0
     assert any((site or "").endswith(" _momenta") for site in rank["op_sites"])  # the name momentum_memory reads
+    # the finite check of replicated gradients, which sharded ones skip: the line drops it whole
+    check = {"op_bytes": [480_000_000, 8], "op_sites": ["manifolds/optimizer.py:569 _zero_nonfinite",
+                                                         "manifolds/optimizer.py:553 _momenta"]}
+    assert cost_model.nonfinite_check_seconds(check) == pytest.approx(1e-4)
+    checks = [site for site in rank["op_sites"] if (site or "").endswith(" _zero_nonfinite")]
+    assert len(checks) >= 1 + 8  # the norms, and a where per matrix (two layers, four matrices each)
 
 
 def test_fake_counts_equal_real_counts(tmp_path):
