@@ -14,7 +14,7 @@ dgram: its active-set rounds run only with columns at the cap; Oblique runs ADMM
 matrices (its Gram is not diagonal). Integers, so that ties in the
 balancing are exact on every rank.
 """
-from kernels.matrix_sign import CLIP_SCHEDULE
+from kernels.matrix_sign import CLIP_SCHEDULE, POLAR_SCHEDULE
 from manifolds.solver import online_sign_steps, sharpens
 from manifolds.geometry import geometry
 from manifolds.plan import EXACT_PE_STEPS, MUON_STEPS, NORM_SQUARINGS
@@ -36,7 +36,9 @@ def matrix_work(manifold, p, q, plan):
         return {"multiplier": 3 * p * q * q + q ** 3, "msign": sign_work(p, q, sum(EXACT_PE_STEPS)),
                 "polish": 2 * p * q * q + sign_work(p, q, 2), "projection and norm": 3 * p * q * q + 5 * q ** 3,
                 "retraction": retraction}
-    if plan.options.scheme == "online":
+    if plan.options.scheme == "newton" and not geo.secant_dual:
+        return newton_work(geo, p, q, retraction)
+    if plan.options.scheme in ("online", "newton"):  # newton runs the online dual where it has a secant one
         # Proj_T(G) + 2 W C (W^T G, one product with W), one polar factor, M (W^T A), A - W M
         work = {"dual step": 4 * p * q * q * geo.online_steps,
                 "msign": sign_work(p, q, online_sign_steps(geo, plan)) * geo.online_steps,
@@ -59,6 +61,25 @@ def matrix_work(manifold, p, q, plan):
         work["projection and norm"] = 3 * p * q * q + 5 * q ** 3
     work["retraction"] = retraction
     return work
+
+
+def newton_work(geo, p, q, retraction):
+    """{term: multiply-adds} of scheme=newton's warm step (manifolds/newton.py): the tall products
+    W^T G and G^T G (and W^T W where the Gram is not diagonal), then q x q work only. A Newton
+    step forms Y (3 products), N = Y^(-1/2) by the L-step polar iteration on the Gram (4 products a
+    step, 2 in the last), F (1) and CG_STEPS Jacobian products (K^T V, dN's recursion 6 a step
+    less 4, two outer products: 6 L - 1); the answer repeats Y, N and F, then Lambda N and the two
+    tall products G N and W (...). Against bench.op_count's count of a warm solve (p x 64, DGram,
+    p = 96, 192, 256): 375.5 / 383.0 / 388.0 q^3 without the retraction against 374.5 / 382.8 /
+    388.2 counted, where the ADMM terms used before gave 297.5 / 209.1 / 222.1 with it."""
+    from manifolds.newton import CG_STEPS, NEWTON_WARM  # newton imports the solver: not at the top
+    L = len(POLAR_SCHEDULE)
+    inverse_sqrt = (4 * L - 2) * q ** 3
+    step = 3 * q ** 3 + inverse_sqrt + q ** 3 + CG_STEPS * (6 * L - 1) * q ** 3
+    return {"gram products": (2 if geo.orthogonal_columns else 3) * p * q * q,
+            "newton steps": NEWTON_WARM * step,
+            "answer": 4 * q ** 3 + inverse_sqrt + 2 * p * q * q,
+            "norm": p * q * q + NORM_SQUARINGS * q ** 3, "retraction": retraction}
 
 
 def piece_cost(piece, plan):

@@ -92,6 +92,31 @@ def test_costs_order_the_solvers():
     assert 0 < piece_cost(next(plain.pieces()), plain.plan) < cost["attn.proj"]
 
 
+@pytest.mark.parametrize("scheme", ["online", "admm", "newton"])
+def test_cost_model_is_proportional_to_the_counted_solve_across_shapes(scheme):
+    # the balancing needs only the ratios between matrices right: matrix_work (less the retraction,
+    # which the solve does not run) over the multiply-adds bench.op_count counts in one warm solve
+    # stays within 10% across the tall shapes. scheme=newton was priced by ADMM's terms (0.79 at
+    # p = 96, 0.55 at 192: its q x q work barely grows with p)
+    from bench.op_count import OpCounter
+    from manifolds.geometry import geometry
+    from manifolds.optimum import random_point
+    from manifolds.plan import SolverOptions, plan_for
+    from manifolds.solver import solve_tall_banks
+    from manifolds.step_cost import matrix_work
+    plan = plan_for(SolverOptions(scheme=scheme, clip="polynomial", capturable=True), "cpu")
+    ratios = []
+    for p in (96, 192, 256):
+        W, G = random_point((p, 64), "dgram", seed=1)
+        bank = (W[None], G[None], geometry("dgram"))
+        cold = solve_tall_banks([(*bank, None)], plan)[0]
+        with OpCounter() as counter:
+            solve_tall_banks([(*bank, cold.warm_start)], plan)
+        work = matrix_work("dgram", p, 64, plan)
+        ratios.append((sum(work.values()) - work["retraction"]) / (sum(counter.flops.values()) / 2))
+    assert max(ratios) <= 1.10 * min(ratios), ratios
+
+
 def test_exchange_volume_is_the_largest_rank_padded():
     _, groups = gpt2_matrices(32, 12, "hetero", init=False)
     opt = ManifoldMuon(groups)
