@@ -245,6 +245,38 @@ def test_warm_sweep_replays_recorded_momenta_for_every_scheme(tmp_path, monkeypa
             assert 0.5 < worst <= mean <= 1.0 + 1e-4
 
 
+def test_warm_sweep_online_diagnostics_take_effect_and_are_undone(tmp_path, monkeypatch, capsys):
+    """--online-steps and --dual-step change the online scheme's answers on a recorded window,
+    --exact-sign signs by an SVD, and the patched sign and step counts are restored after the run."""
+    from bench.experiments import warm_sweep
+    from manifolds import solver
+    from manifolds.geometry import geometry
+    g = torch.Generator().manual_seed(1)
+    banks = [[("mlp", "dgram", project_to_manifold(torch.randn(2, 40, 12, generator=g), "dgram"),
+               torch.randn(2, 40, 12, generator=g))] for _ in range(2)]
+    path = tmp_path / "momenta.pt"
+    torch.save({"steps": [9, 10], "banks": banks, "dgram_cap": 1.0}, path)
+    polar, steps = solver.polar, geometry("dgram").online_steps
+
+    def row(*flags):
+        monkeypatch.setattr(sys, "argv", ["warm_sweep", "--momenta", str(path), "--scheme", "online",
+                                          "--iterations", "1", "--reference-iters", "200", *flags])
+        warm_sweep.main()
+        assert solver.polar is polar and geometry("dgram").online_steps == steps
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("online ")][0]
+
+    svds = []
+    svd = torch.linalg.svd
+    monkeypatch.setattr(torch.linalg, "svd", lambda *a, **k: svds.append(1) or svd(*a, **k))
+    row()  # the float64 optima, cached beside the file for the runs below
+    svds.clear()
+    plain = row()
+    assert row("--online-steps", "3") != plain and row("--dual-step", "0.5") != plain
+    assert not svds
+    row("--exact-sign")  # at this size the polynomial sign is as exact (the same four digits): its SVD ran
+    assert svds
+
+
 def test_solver_quality_scores_the_one_shot_default_as_users_call_it(capsys):
     """bench.solver_quality's last column is steepest_direction with no scheme named (the one-shot
     default, ADMM to convergence-sized budgets): at least 0.99 where the online scheme's own cold

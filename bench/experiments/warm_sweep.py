@@ -19,17 +19,25 @@ the cases are real instead: each window of consecutive recorded steps is replaye
 solve_tall_banks as the optimizer runs it (every bank, warm starts chained, the first step of a
 window cold), and each cell is the worst and the mean quality over the constrained matrices of a
 bank at the window's last step. The float64 optima are cached in FILE.optima.pt.
+
+What limits the online scheme (docs/solver-tuning.md, "Where the online scheme stops"): --dual-step,
+--online-steps N (dual steps per warm step) and --exact-sign (its matrix sign by a float64 SVD), e.g.
+
+    OMP_NUM_THREADS=2 python -m bench.experiments.warm_sweep --momenta runs/momenta-hetero-768.pt --per-bank 1 \
+        --penalties 0.07 --iterations 3 --clip polynomial --precision tf32 --scheme online \
+        --reference-iters 600 --reference-tol 1e-4 --online-steps 16 --exact-sign
 """
 import argparse
+import contextlib
 import os
 
 import torch
 
 from bench.optimizer import momentum_like
 from bench.solver_quality import shape_parser
-from manifolds import project_to_manifold
+from manifolds import project_to_manifold, solver
 from manifolds.solver import solve_tall, solve_tall_banks
-from manifolds.geometry import geometry
+from manifolds.geometry import MANIFOLDS, geometry
 from manifolds.optimum import optimum, quality
 from manifolds.plan import SolverOptions, plan_for
 
@@ -69,9 +77,45 @@ def main():
                     help="most iterations of the float64 reference ADMM (its certified gap is printed)")
     ap.add_argument("--reference-tol", type=float, default=1e-6,
                     help="the reference stops once its certified relative gap is under this")
+    ap.add_argument("--dual-step", type=float, default=None,
+                    help="the online scheme's dual step, Stiefel's included (SolverOptions.dual_step and "
+                         "stiefel_dual_step; default: theirs)")
+    ap.add_argument("--online-steps", type=int, default=None,
+                    help="the online scheme's dual steps per warm step (geometry's online_steps, 1 on Stiefel and "
+                         "DGram): how far more of them would take it")
+    ap.add_argument("--exact-sign", action="store_true",
+                    help="the online scheme's matrix sign by a float64 SVD instead of its polynomial (whether the "
+                         "polynomial's band of singular values is what it loses)")
     args = ap.parse_args()
-    if args.momenta:
-        return replay(args)
+    with online_variant(args):
+        if args.momenta:
+            return replay(args)
+        sweep(args)
+
+
+@contextlib.contextmanager
+def online_variant(args):
+    """--online-steps and --exact-sign in force (diagnostics of the online scheme: what limits it)."""
+    saved_polar = solver.polar
+    saved_steps = {cls: cls.online_steps for cls in {type(m) for m in MANIFOLDS.values()}}
+    try:
+        if args.exact_sign:
+            def exact_polar(Y, plan, steps=None):
+                U, _, Vh = torch.linalg.svd(Y.double(), full_matrices=False)
+                return (U @ Vh).to(Y.dtype)
+            solver.polar = exact_polar
+        if args.online_steps is not None:
+            for cls in saved_steps:
+                if not cls.secant_dual:
+                    cls.online_steps = args.online_steps
+        yield
+    finally:
+        solver.polar = saved_polar
+        for cls, steps in saved_steps.items():
+            cls.online_steps = steps
+
+
+def sweep(args):
     g = torch.Generator().manual_seed(1)
     cases = []
     for p, q, manifold in args.shapes:
@@ -111,9 +155,10 @@ def main():
 def row_plan(args, row, iterations):
     """The CPU SolverPlan of one row of the sweep at an iteration budget (fixed budgets, sync-free)."""
     scheme, penalty, growth, relax, precision, average, pullbacks = row
+    dual = {} if args.dual_step is None else {"dual_step": args.dual_step, "stiefel_dual_step": args.dual_step}
     return plan_for(SolverOptions(scheme=scheme, iterations=iterations, pullbacks=pullbacks, tol=0, rho_warm=penalty,
                                   rho_growth=growth, relax=relax, warm_average=average, clip=args.clip,
-                                  precision=precision, capturable=True), "cpu")
+                                  precision=precision, capturable=True, **dual), "cpu")
 
 
 def row_label(row):
