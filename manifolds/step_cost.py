@@ -17,6 +17,7 @@ balancing are exact on every rank.
 from kernels.matrix_sign import CLIP_SCHEDULE, POLAR_SCHEDULE
 from manifolds.solver import online_sign_steps, sharpens
 from manifolds.geometry import geometry
+from manifolds.newton import CG_STEPS, NEWTON_WARM
 from manifolds.plan import EXACT_PE_STEPS, MUON_STEPS, NORM_SQUARINGS
 
 
@@ -72,7 +73,6 @@ def newton_work(geo, p, q, retraction):
     tall products G N and W (...). Against bench.op_count's count of a warm solve (p x 64, DGram,
     p = 96, 192, 256): 375.5 / 383.0 / 388.0 q^3 without the retraction against 374.5 / 382.8 /
     388.2 counted, where the ADMM terms used before gave 297.5 / 209.1 / 222.1 with it."""
-    from manifolds.newton import CG_STEPS, NEWTON_WARM  # newton imports the solver: not at the top
     L = len(POLAR_SCHEDULE)
     inverse_sqrt = (4 * L - 2) * q ** 3
     step = 3 * q ** 3 + inverse_sqrt + q ** 3 + CG_STEPS * (6 * L - 1) * q ** 3
