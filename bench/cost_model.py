@@ -529,20 +529,23 @@ def matrix_elements(targs):
     return matrices, duals
 
 
+def bytes_of(summary, function):
+    """[bytes] of a count's memory-bound kernels launched from `function` (their call sites' name)."""
+    return [n for n, site in zip(summary.get("op_bytes", ()), summary.get("op_sites", ()))
+            if site is not None and site.endswith(f" {function}")]
+
+
 def momentum_memory(summary):
     """Seconds of a count's memory term spent in the momentum update (optimizer._momenta), which
     touches every matrix of the model on every DDP rank."""
-    return sum(memory_seconds(n) for n, site in zip(summary.get("op_bytes", ()), summary.get("op_sites", ()))
-               if site is not None and site.endswith(" _momenta"))
+    return sum(map(memory_seconds, bytes_of(summary, "_momenta")))
 
 
 def nonfinite_check_seconds(summary):
     """Seconds of a count spent in the gradients' finite check (optimizer._zero_nonfinite: every
     kernel of it memory-bound, each one launch), which a DDP rank runs on every matrix and an FSDP
     rank on none (its sharded parameters skip it)."""
-    return sum(H200["launch_s"] + memory_seconds(n)
-               for n, site in zip(summary.get("op_bytes", ()), summary.get("op_sites", ()))
-               if site is not None and site.endswith(" _zero_nonfinite"))
+    return sum(H200["launch_s"] + memory_seconds(n) for n in bytes_of(summary, "_zero_nonfinite"))
 
 
 def link_rate(ranks):

@@ -41,6 +41,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from kernels.precision import fp32_precision
 from manifolds import step_graph
 from manifolds.step_graph import HOST_READS, HostReadMode
 
@@ -187,19 +188,13 @@ def tf32_allowed():
     return torch.backends.cuda.matmul.allow_tf32
 
 
-def triton_fp32_precision():
-    """tl.dot's precision for fp32 operands, as kernels/products_triton.py chooses it (its rule lives
-    in kernels.precision, importable without Triton)."""
-    from kernels.precision import fp32_precision
-    return fp32_precision()
-
-
 def product_precision(dtype, triton):
     """Precision label of a product on a GPU: "triton:tf32x3" / "triton:tf32" / "triton:bf16"
     for a fused kernel, "ieee-fp32" / "tf32" / "bf16" for a torch (cuBLAS) matmul."""
     low = dtype in (torch.bfloat16, torch.float16)
     if triton:
-        return "triton:" + ("bf16" if low else triton_fp32_precision())
+        # tl.dot's precision for fp32 operands: kernels.precision's rule, as products_triton reads it
+        return "triton:" + ("bf16" if low else fp32_precision())
     if low:
         return "bf16"
     if dtype == torch.float32:

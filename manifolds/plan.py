@@ -17,6 +17,7 @@ import torch
 
 import kernels
 from kernels.matrix_sign import CLIP_SCHEDULE, EXACT_SCHEDULE, POLAR_SCHEDULE
+from manifolds import newton
 
 CLIPS = ("auto", "eigh", "polynomial")
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
@@ -202,7 +203,6 @@ class SolverPlan:
             return (f"online dual: 1 sign per warm step / {ONLINE_COLD} cold, dual step {o.dual_step} "
                     f"(stiefel {o.stiefel_dual_step}), sharpen {'on' if o.sharpen else 'off'}")
         if o.scheme == "newton":
-            from manifolds import newton
             return (f"newton: {newton.NEWTON_WARM} damped Newton steps on the multiplier per warm step / "
                     f"{newton.NEWTON_COLD} cold, {newton.CG_STEPS} CG steps each, damping {newton.DAMPING}")
         return (f"ADMM {o.iterations} warm / {2 * o.iterations} cold "
