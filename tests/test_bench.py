@@ -289,3 +289,48 @@ def test_solver_quality_scores_the_one_shot_default_as_users_call_it(capsys):
     worst = [float(cell.split("/")[0]) for cell in row.split("(")[0].split("|")[1:]]
     online_cold, default_cold = worst[1], worst[2]
     assert default_cold >= 0.99 > online_cold
+
+
+def test_exact_dual_replays_a_window_and_frees_only_zero_directions(tmp_path, capsys):
+    """bench/experiments/exact_dual.py: the online dual in float64 on a recorded window. Its freed sign
+    stays in the nuclear norm's subdifferential where X is singular (<A, X> = ||X||_*, ||A||_op <= 1)
+    and is no less tangent than the plain sign there; many small exact dual steps reach the optimum
+    (the iteration is the scheme's, not a broken copy); the CLI prints a row per setting."""
+    from bench.experiments import exact_dual
+    from manifolds.geometry import geometry
+    from manifolds.optimum import optimum, quality
+    g = torch.Generator().manual_seed(0)
+    W = project_to_manifold(torch.randn(24, 8, generator=g, dtype=torch.float64), "stiefel")
+    geo = geometry("stiefel")
+    multiplier = lambda Y: geo.preconditioned(W, Y, geo.squared_norms(W), 1.0, "torch")  # noqa: E731
+    U, _ = torch.linalg.qr(torch.randn(24, 8, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(8, 8, generator=g, dtype=torch.float64))
+    X = U @ torch.diag(torch.tensor([3.0, 2, 1.5, 1, 0.7, 0.4, 0.2, 0.0], dtype=torch.float64)) @ V.mT
+    plain, _ = exact_dual.exact_sign(X, 0, multiplier)
+    freed, _ = exact_dual.exact_sign(X, 1, multiplier)
+    nuclear = torch.linalg.matrix_norm(X, ord="nuc")
+    assert torch.allclose((freed * X).sum(), nuclear, rtol=1e-10)
+    assert torch.linalg.matrix_norm(freed, ord=2) <= 1 + 1e-10
+    assert multiplier(freed).norm() <= multiplier(plain).norm() + 1e-12
+
+    problems = []
+    for _ in range(3):
+        G = torch.randn(24, 8, generator=g, dtype=torch.float64)
+        problems.append(exact_dual.span_problem(W, G))
+    Ws, Gs = problems[-1]  # span coordinates (16 x 8 here): the same optimum and qualities
+    value, _ = optimum(Ws, Gs, "stiefel", iters=2000, tol=1e-8)
+    one, _ = exact_dual.replay(problems, "stiefel", 1, 0.25, 0, True)
+    many, _ = exact_dual.replay(problems, "stiefel", 200, 0.25, 0, False)
+    assert quality(Ws, Gs, many, value) > 0.999
+    assert quality(Ws, Gs, one, value) < quality(Ws, Gs, many, value)
+
+    banks = [[("attn", "stiefel", project_to_manifold(torch.randn(1, 30, 6, generator=g), "stiefel"),
+               torch.randn(1, 30, 6, generator=g))] for _ in range(2)]
+    path = tmp_path / "momenta.pt"
+    torch.save({"steps": [4, 5], "banks": banks, "dgram_cap": 1.0}, path)
+    exact_dual.main(["--momenta", str(path), "--free-directions", "0", "2", "--reference-iters", "300",
+                     "--spectrum"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("1 0.25 0 |", "1 0.25 2 |"))]
+    assert len(rows) == 2 and all(0.5 < float(line.split("|")[1]) <= 1.0 + 1e-4 for line in rows)
+    assert "smallest" in out
