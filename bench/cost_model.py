@@ -542,10 +542,10 @@ def momentum_memory(summary):
 
 
 def nonfinite_check_seconds(summary):
-    """Seconds of a count spent in the gradients' finite check (optimizer._zero_nonfinite: every
+    """Seconds of a count spent in the gradients' finite check (optimizer._finite_flags: every
     kernel of it memory-bound, each one launch), which a DDP rank runs on every matrix and an FSDP
     rank on none (its sharded parameters skip it)."""
-    return sum(H200["launch_s"] + memory_seconds(n) for n in bytes_of(summary, "_zero_nonfinite"))
+    return sum(H200["launch_s"] + memory_seconds(n) for n in bytes_of(summary, "_finite_flags"))
 
 
 def link_rate(ranks):

@@ -39,6 +39,7 @@ import sys
 from collections import Counter
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 import torch.distributed as dist
 
 from kernels.precision import fp32_precision
@@ -156,6 +157,72 @@ LINALG_FLOPS = {"_linalg_eigh": _eigh, "linalg_eigh": _eigh, "linalg_cholesky_ex
 # linalg ops whose torch implementation checks LAPACK's `info` on the host: a sync on CUDA
 # (the _ex variants and solve_triangular do not check).
 CHECKS_INFO = frozenset(("_linalg_eigh", "linalg_eigh", "cholesky", "linalg_inv", "_linalg_svd", "linalg_svd"))
+
+
+# CUDA's multi_tensor_apply (ATen/native/cuda/MultiTensorApply.cuh): a kernel per at most 320
+# chunks of 65536 elements and at most depth_to_max_tensors[depth - 1] tensors, depth being the
+# number of tensor lists the kernel reads and writes (an out-of-place op's result list included)
+MTA_CHUNK, MTA_MAX_BLOCKS, MTA_MAX_TENSORS = 65536, 320, (110, 64, 48, 36, 30)
+
+
+def foreach_fast_route(lists, same_dtype=True):
+    """Whether CUDA takes a foreach op's fast path (ATen/native/ForeachUtils.h,
+    check_fast_path_restrictions): every tensor strided, dense and on one device, one dtype in
+    each list (and across lists unless `same_dtype` is False: _foreach_copy_), and the tensors at
+    each index of the lists of the same sizes and strides. A list of 0-dim tensors beside a list of
+    matrices (a per-matrix factor) fails the last: the slow path, a kernel per tensor."""
+    first = lists[0][0]
+    for tensors in lists:
+        for t in tensors:
+            if (t.device != first.device or t.layout != torch.strided or not is_non_overlapping_and_dense(t)
+                    or t.dtype != tensors[0].dtype or (same_dtype and t.dtype != first.dtype)):
+                return False
+    for tensors in lists[1:]:
+        for a, b in zip(lists[0], tensors):
+            if a.shape != b.shape or any(n != 1 and x != y for n, x, y in zip(a.shape, a.stride(), b.stride())):
+                return False
+    return True
+
+
+def multi_tensor_apply_launches(tensors, depth):
+    """Kernels multi_tensor_apply launches over `tensors` with `depth` lists (MTA_* above)."""
+    launches = blocks = held = 0
+    max_tensors = MTA_MAX_TENSORS[min(depth, len(MTA_MAX_TENSORS)) - 1]
+    for t in tensors:
+        chunks = -(-t.numel() // MTA_CHUNK)
+        if chunks == 0:
+            continue
+        held += 1
+        for c in range(chunks):
+            blocks += 1
+            if blocks == MTA_MAX_BLOCKS or (c == chunks - 1 and held == max_tensors):
+                launches, blocks = launches + 1, 0
+                held = 0 if c == chunks - 1 else 1  # a tensor cut at a full launch carries over
+    return launches + (blocks > 0)
+
+
+def foreach_kernel_bytes(name, args, kwargs, out=None):
+    """[bytes moved by each kernel] of a foreach op as CUDA runs it: the fast path's
+    multi_tensor_apply kernels (the op's bytes spread evenly over them; a norm adds one kernel that
+    reduces the partial sums), or the slow path's kernel per tensor index. `out` (the op's result,
+    when known) only sizes the bytes."""
+    lists = [a for a in list(args) + list(kwargs.values())
+             if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a)]
+    if not lists:
+        return [tensor_bytes((args, kwargs, out))]
+    n = len(lists[0])
+    outputs = [out] if isinstance(out, (list, tuple)) and out and isinstance(out[0], torch.Tensor) else []
+    reduction = name in ("_foreach_norm", "_foreach_max")
+    in_place = name.endswith("_")
+    # read every list, write the result (in place: the first list, written back)
+    per_index = [tensor_bytes(([tensors[j] for tensors in lists + outputs] + ([lists[0][j]] if in_place else []),))
+                 for j in range(n)]
+    depth = len(lists) + (0 if in_place or reduction else 1)
+    if foreach_fast_route(lists, same_dtype=not name.startswith("_foreach_copy")):
+        launches = multi_tensor_apply_launches(lists[0], depth) + (1 if reduction else 0)
+        total = sum(per_index)
+        return [total / max(launches, 1)] * max(launches, 1)
+    return per_index
 
 
 def tensor_bytes(tree):
@@ -288,13 +355,16 @@ class OpCounter(HostReadMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        memory_bound = not self._paused and self._count(func.overloadpacket.__name__, args, kwargs)
+        name = func.overloadpacket.__name__
+        memory_bound = not self._paused and self._count(name, args, kwargs)
         out = func(*args, **kwargs)
         if memory_bound:
             # an out= tensor is the output itself: its bytes are written once
-            self.op_bytes.append(tensor_bytes((args, {k: v for k, v in kwargs.items() if k != "out"}, out)))
+            kernels = (foreach_kernel_bytes(name, args, kwargs, out) if name.startswith("_foreach_") else
+                       [tensor_bytes((args, {k: v for k, v in kwargs.items() if k != "out"}, out))])
+            self.op_bytes.extend(kernels)
             if self.record_sites:
-                self.op_sites.append(call_site())
+                self.op_sites.extend([call_site()] * len(kernels))
         return out
 
     def _count(self, name, args, kwargs):
@@ -311,9 +381,11 @@ class OpCounter(HostReadMode):
                 return False
             name = "scalar_tensor"  # `t[i] = 2.0`: on CUDA a 0-dim device tensor, made by a fill kernel
         triton = self._triton_depth > 0
-        (self.fused if triton else self.kernels)[name] += 1
+        # a foreach op is one call here but several kernels on CUDA (foreach_launches)
+        launches = len(foreach_kernel_bytes(name, args, kwargs)) if name.startswith("_foreach_") and not triton else 1
+        (self.fused if triton else self.kernels)[name] += launches
         if self.record_sites and not triton:
-            self.launch_sites[call_site()] += 1
+            self.launch_sites[call_site()] += launches
         if name in PRODUCT_FLOPS:
             label = product_precision(args[0].dtype if not triton else self._triton_dtype, triton)
             flops = PRODUCT_FLOPS[name](*args, **kwargs)
@@ -452,11 +524,39 @@ def triton_attribution(counter, module=None):
 
     for name, fn in originals.items():
         setattr(module, name, wrap(name, fn))
+    from kernels import momentum
+    twin = momentum.momentum_update_torch
+
+    @functools.wraps(twin)
+    def momentum_counted(bufs, grads, finite, mu, nesterov, wanted):
+        """kernels.momentum_update as CUDA runs it (momentum_triton): a launch per SLOTS matrices,
+        each moving g and b in, b out, and G out where wanted (the flags: a byte a matrix)."""
+        tensors = list(bufs) + list(grads)
+        if (counter._triton_depth or counter._paused or not isinstance(mu, (int, float))
+                or any(b.dtype != torch.float32 for b in bufs) or not all(t.is_contiguous() for t in tensors)):
+            return twin(bufs, grads, finite, mu, nesterov, wanted)  # the torch twin on the GPU too
+        with counter.paused():
+            out = twin(bufs, grads, finite, mu, nesterov, wanted)
+        site = call_site() if counter.record_sites else None
+        wanted = set(wanted)
+        present = [i for i in range(len(bufs)) if bufs[i].numel()]  # empty ones are skipped
+        for at in range(0, len(present), momentum.SLOTS):
+            moved = sum(grads[i].numel() * grads[i].element_size() + bufs[i].numel() * 4 * (3 if i in wanted else 2)
+                        for i in present[at:at + momentum.SLOTS])
+            counter.triton["momentum_update"] += 1
+            counter.op_bytes.append(moved)
+            if counter.record_sites:
+                counter.launch_sites[site] += 1
+                counter.op_sites.append(site)
+        return out
+
+    momentum.momentum_update_torch = momentum_counted
     try:
         yield counter
     finally:
         for name, fn in originals.items():
             setattr(module, name, fn)
+        momentum.momentum_update_torch = twin
 
 
 # --- Simulated collectives ------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 
 from errors import UserError
 from kernels import matrix_sign, products_torch, tangent
+from kernels.momentum import momentum_update  # noqa: F401  (the optimizer's momentum update, kernels/momentum.py)
 from kernels.constants import scalar
 from kernels.precision import bf16_products, tf32_products  # noqa: F401  (re-exported: the solver's scopes)
 

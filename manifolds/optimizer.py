@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adamw import adamw
 
+import kernels
 from manifolds import exchange, step_agreement, reference
 from manifolds.solver import STATS, solve_tall_banks
 from manifolds.exchange import Exchange, ExchangeOptions, Replicated, StepInputs, bucket_group
@@ -114,6 +115,13 @@ class Piece:
         """Solved transposed, on the tall orientation of its map (geometry.stored_wide): fewer
         rows than columns, or as many when stored (in, out)."""
         return stored_wide(self.hi - self.lo, self.param.size(1), self.transposed)
+
+
+def stepped(W, eta, A):
+    """W - eta A in one kernel (eta a number or a tensor that broadcasts): 12 bytes an entry moved,
+    not 20 in a product and a difference (GPT-2 small hetero on one H200: -0.14 ms, python -m
+    bench.cost_model --fake). It may round once (a fused multiply-add) where the two rounded twice."""
+    return torch.addcmul(W, eta, A, value=-1.0) if torch.is_tensor(eta) else torch.add(W, A, alpha=-eta)
 
 
 def per_matrix(W, values):
@@ -518,12 +526,13 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     def _momenta(self, pieces, solved=None):
         """{id(param): G} for the parameters of the `solved` pieces (default: all); the momentum of
-        every parameter of `pieces` updated once per step, with one foreach op per group setting
-        for all of them (not three ops per parameter):
-        buf <- mu buf + g;  G = g + mu buf (Nesterov) or buf. Sharded parameters: their local parts.
+        every parameter of `pieces` updated once per step, all of a group setting's matrices in one
+        kernels.momentum_update (a Triton kernel on CUDA, SLOTS matrices a launch; torch foreach
+        ops elsewhere): buf <- mu buf + g;  G = g + mu buf (Nesterov) or buf. Sharded parameters:
+        their local parts.
 
         A replicated parameter whose gradient has a non-finite entry keeps its momentum: its g is
-        taken as 0 and its mu as 1 (a mask per matrix from the gradient's largest |entry|, on the
+        taken as 0 and its mu as 1 (a flag per matrix from the gradient's largest |entry|, on the
         device: no sync), and self._finite[id(param)] (a 0-dim bool) tells _finish_bank to keep
         its weight and warm start as they were."""
         by_setting = OrderedDict()
@@ -539,37 +548,32 @@ class ManifoldMuon(torch.optim.Optimizer):
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
             bufs = [local(self.state[p]["momentum_buffer"]) for p in params]
             grads = [local(p.grad).float() for p in params]
-            checked = [i for i, p in enumerate(params) if not is_sharded(p)]  # a shard sees only its part
-            others = [i for i, p in enumerate(params) if is_sharded(p)]
-            if checked:  # mu, or 1 for a matrix with a non-finite gradient: its momentum as it was
-                torch._foreach_mul_([bufs[i] for i in checked], self._zero_nonfinite(params, grads, checked, mu))
-            if others:
-                torch._foreach_mul_([bufs[i] for i in others], mu)
-            torch._foreach_add_(bufs, grads)
-            keep = [i for i, p in enumerate(params) if wanted is None or id(p) in wanted]
-            if not keep:
-                continue
-            grads, bufs = [grads[i] for i in keep], [bufs[i] for i in keep]
-            G = torch._foreach_add(grads, bufs, alpha=mu) if nesterov else torch._foreach_mul(bufs, 1.0)
-            momenta.update((id(params[i]), g) for i, g in zip(keep, G))
+            keep = {i for i, p in enumerate(params) if wanted is None or id(p) in wanted}
+            G = {}
+            # replicated matrices: a non-finite gradient leaves the momentum as it was (the flags on the
+            # device, no sync); sharded ones: a shard sees only its part, so they are not checked
+            replicated = [i for i, p in enumerate(params) if not is_sharded(p)]
+            sharded = [i for i, p in enumerate(params) if is_sharded(p)]
+            for part, checked in ((replicated, True), (sharded, False)):
+                if not part:
+                    continue
+                flags = self._finite_flags(params, grads, part) if checked else None
+                out = kernels.momentum_update([bufs[i] for i in part], [grads[i] for i in part], flags, mu, nesterov,
+                                              [k for k, i in enumerate(part) if i in keep], backend=self.plan.backend)
+                G.update(zip([i for i in part if i in keep], out))
+            momenta.update((id(params[i]), G[i]) for i in sorted(G))
         return momenta
 
-    def _zero_nonfinite(self, params, grads, checked, mu):
-        """For the replicated matrices `checked` (indices into params and grads): each one's gradient
-        replaced in `grads` by 0 where it has a non-finite entry, its flag in self._finite, and
-        [mu, or 1 where not finite] (0-dim tensors), all on the device (no sync). A function of its
-        own: sharded parameters skip it, and bench.cost_model's sharded line, built from DDP's
-        counts, drops these kernels by their call site."""
+    def _finite_flags(self, params, grads, checked):
+        """(len(checked),) bool on the device: whether each of the replicated matrices `checked`
+        (indices into params and grads) has a finite gradient, each also kept in self._finite for
+        _finish_bank. No sync: the momentum update reads the flags on the device
+        (kernels.momentum). A function of its own: sharded parameters skip it, and bench.cost_model's
+        sharded line, built from DDP's counts, drops these kernels by their call site."""
         finite = torch.stack(torch._foreach_norm([grads[i] for i in checked], float("inf"))).isfinite()
-        zero = finite.new_zeros((), dtype=torch.float32)  # one tensor, not a scalar_tensor launch per matrix
-        # one where per matrix: 8 bytes an entry moved. The gradients laid end to end with the flags
-        # repeated over their entries took 3 launches but moved 18 (the copy into one buffer, the
-        # mask, the where): GPT-2 small on one H200 0.32 -> 0.24 ms, GPT-2 XL at 8 ranks 5.5 -> 2.5
-        # ms (bench.cost_model --fake)
         for i, ok in zip(checked, finite.unbind(0)):
-            grads[i] = torch.where(ok, grads[i], zero)
             self._finite[id(params[i])] = ok
-        return list(torch.where(finite, mu, 1.0).unbind(0))
+        return finite
 
     def _step_banks(self, banks, matrices):
         """The solve the exchange runs: [(pieces, [new weight of each piece, in its orientation],
@@ -607,12 +611,12 @@ class ManifoldMuon(torch.optim.Optimizer):
         eta = per_matrix(W, [piece.group["lr"] for piece in pieces])
         if not self._geometry(pieces).constrained:  # plain Muon: weight decay, no retraction
             decay = per_matrix(W, [piece.group["weight_decay"] for piece in pieces])
-            new_W = W * (1 - eta * decay) - eta * solution.A
+            new_W = stepped(W * (1 - eta * decay), eta, solution.A)
         else:
             # the retraction's Gram stays fp32; where the iterations run at TF32 so do its small corrections
             # a manifold with a radius (the Hyperball) retracts to the stored one, not to ||W||
             radius = {"radius": self._radii(pieces, W)} if self._geometry(pieces).stores_radius else {}
-            new_W = self._geometry(pieces).retract_from(W, W - eta * solution.A, near=True,
+            new_W = self._geometry(pieces).retract_from(W, stepped(W, eta, solution.A), near=True,
                                                         backend=self.plan.backend, tf32_correction=self.plan.tf32,
                                                         **radius)
         finite = self._finite_mask(pieces)

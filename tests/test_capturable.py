@@ -141,7 +141,7 @@ def test_capturable_rejects_a_non_boolean():
         steepest_direction(W, G, "stiefel", scheme="admm", capturable="yes")
 
 
-def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_575_ops_and_sync_free():
+def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_643_ops_and_sync_free():
     # the trainer's groups for 12 HETERO layers at GPT-2's aspect ratios (width 64 instead of
     # 768: the op count does not depend on the width); the torch path, as the profiler sees it
     import train_gpt2
@@ -165,13 +165,16 @@ def test_a_warm_capturable_step_of_twelve_gpt2_layers_is_under_575_ops_and_sync_
     kernels, syncs = sum(counter.kernels.values()), sum(counter.syncs.values())
     assert syncs == 0
     assert sum(counter.literals.values()) == 0  # no host-to-device copies of lr lists (pageable: they block)
-    # 574 here: the finite mask is one where per matrix (48), where 3 kernels laid the gradients end to end and
+    # 642 here: the torch twin's foreach ops counted as CUDA launches them (bench.op_count.foreach_kernel_bytes:
+    # the momenta's per-matrix factors, a list of 0-dim tensors, take the slow path, a kernel per matrix, which
+    # the count took as one launch before; on a GPU kernels.momentum_update's Triton kernel runs instead). 574
+    # before that: the finite mask is one where per matrix (48), where 3 kernels laid the gradients end to end and
     # moved 10 bytes an entry more, which bench.cost_model prices above the 45 launches (bench/RESULTS.md); 529
     # before that, once online_banks stopped copying a lone bank; 535 before, 536 before norm_bound's first
     # rescaling made the log scale without a zero fill; 581 before _momenta's one where over the gradients laid
     # end to end, 714 before solver.finite, kernels.constants and the fused signal tests; 2,137 before the
     # stacked banks
-    assert kernels <= 574, counter.kernels.most_common(10)
+    assert kernels <= 642, counter.kernels.most_common(10)
 
 
 def test_a_growing_warm_penalty_keeps_the_fixed_point_and_gets_closer_in_the_budget():
