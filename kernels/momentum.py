@@ -23,7 +23,7 @@ SLOTS = 8  # matrices per Triton launch (each its pointers, size and first block
 
 
 def momentum_update_torch(bufs, grads, finite, mu, nesterov, wanted):
-    """The update above in torch ops. bufs (fp32) are updated in place; grads are not written.
+    """The update above in torch ops. bufs and grads fp32; bufs are updated in place, grads not written.
     finite: a (n,) bool tensor or None; wanted: indices whose G is returned, in order."""
     if finite is not None:
         zero = finite.new_zeros((), dtype=grads[0].dtype)  # one tensor, not a scalar_tensor launch per matrix
@@ -41,12 +41,14 @@ def momentum_update_torch(bufs, grads, finite, mu, nesterov, wanted):
 def momentum_update(bufs, grads, finite, mu, nesterov, wanted, backend="auto"):
     """[G of each wanted matrix] after the update above, by `backend` (kernels.BACKENDS): the
     Triton kernel where it is selected and every tensor is contiguous, else the torch twin."""
-    from kernels import triton_selected  # the same dispatch as the products
+    from kernels import TRITON_DTYPES, triton_selected  # the same dispatch as the products
     if not bufs:
         return []
     if (not triton_selected(backend, bufs[0]) or not isinstance(mu, (int, float))
             or not all(t.is_contiguous() for t in list(bufs) + list(grads))
-            or any(b.dtype != torch.float32 for b in bufs)):
-        return momentum_update_torch(bufs, grads, finite, mu, nesterov, wanted)
+            or any(b.dtype != torch.float32 for b in bufs) or any(g.dtype not in TRITON_DTYPES for g in grads)):
+        # fp32 copies of bf16 or fp16 gradients (the kernel reads them as they are: 6 bytes an entry
+        # and a launch a matrix fewer)
+        return momentum_update_torch(bufs, [g.float() for g in grads], finite, mu, nesterov, wanted)
     from kernels import momentum_triton
     return momentum_triton.momentum_update(bufs, grads, finite, float(mu), nesterov, wanted)

@@ -547,7 +547,7 @@ class ManifoldMuon(torch.optim.Optimizer):
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
             bufs = [local(self.state[p]["momentum_buffer"]) for p in params]
-            grads = [local(p.grad).float() for p in params]
+            grads = [local(p.grad) for p in params]  # any float dtype: the update reads it as fp32
             keep = {i for i, p in enumerate(params) if wanted is None or id(p) in wanted}
             G = {}
             # replicated matrices: a non-finite gradient leaves the momentum as it was (the flags on the

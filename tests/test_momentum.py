@@ -138,3 +138,20 @@ def test_empty_matrices_are_skipped_and_the_flags_stay_with_their_matrices(backe
     for i in (0, 4, 5, len(shapes) - 1):
         torch.testing.assert_close(bufs[i], 0.5 * before[i] + grads[i])
     torch.testing.assert_close(out[2], bufs[4])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bf16_gradients_are_read_as_they_are(backend):
+    """A bf16 gradient (a bf16 model's, or FSDP's bf16 reduction) updates the fp32 momentum as its
+    fp32 value would: the kernel reads it without an fp32 copy, the twin makes one."""
+    bufs, grads, finite = case(4)
+    low = [g.to(torch.bfloat16) for g in grads]
+    as_fp32 = [g.float() for g in low]
+    twin_bufs = [b.clone() for b in bufs]
+    got = momentum_update(bufs, low, finite, 0.9, True, [0, 5], backend=backend)
+    want = momentum_update_torch(twin_bufs, as_fp32, finite, 0.9, True, [0, 5])
+    for a, b in zip(bufs, twin_bufs):
+        assert torch.equal(a, b) if DEVICE == "cpu" else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-7, atol=1e-7)
