@@ -11,6 +11,9 @@ attn.c_proj 12 x 768x768, attn.c_attn 12 x 768x2304, mlp 24 x 768x3072 (c_fc and
     project      ADMM's tangent projection A - W P(W^T A + A^T W) / (d_i^2 + d_j^2) (tall W, A)
     gram         the Gram-space kernels of every ADMM answer: H = P(W^T A + A^T W) with ||H||_F^2
                  (the residual), then the multiplier correction P(W^T Y + Y^T W) / (2 (d_i^2 + d_j^2))
+    momentum     the momentum update of the bank's matrices as separate tensors (kernels.momentum_update:
+                 finite flags, Nesterov, every G wanted); memory-bound: its TF/s columns count 2 FLOPs
+                 an entry, and the target is against the torch twin's where + slow-path foreach ops
 
 DGram (the diagonal projection and the division included; Stiefel does a subset). Each case
 is timed twice after a warm-up call (compilation and autotuning excluded): "eager", launched
@@ -33,9 +36,10 @@ from manifolds.plan import MUON_STEPS
 
 BANKS = {"attn.c_proj": (12, 768, 768), "attn.c_attn": (12, 768, 2304), "mlp": (24, 768, 3072)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-OPS = ("msign", "project", "gram")
+OPS = ("msign", "project", "gram", "momentum")
 DEVICE = "cuda"
-TARGETS = {"msign": 1.3, "project": 2.0, "gram": 2.0}  # speedups the fused kernels should reach (bf16 msign; fused tangent ops)
+TARGETS = {"msign": 1.3, "project": 2.0, "gram": 2.0, "momentum": 2.0}  # speedups the fused kernels should reach
+# (bf16 msign; fused tangent ops; the momentum kernel: one pass and 1/8 of the launches)
 
 
 def parse_args(argv=None):
@@ -76,6 +80,15 @@ def cases(op, bank, dtype, args):
                for backend in ("torch", "triton")}
         return (msign_flops(bank, args.steps, args.polish_steps, False),
                 msign_flops(bank, args.steps, args.polish_steps, True), fns)
+    if op == "momentum":  # fp32 buffers; gradients in the dtype of the row
+        grads = [randn(n, m) for _ in range(b)]
+        start = [torch.randn(n, m, device=DEVICE, generator=generator) for _ in range(b)]
+        bufs = {backend: [x.clone() for x in start] for backend in ("torch", "triton")}  # updated in place:
+        finite = torch.ones(b, dtype=torch.bool, device=DEVICE)                        # one state each
+        fns = {backend: (lambda backend=backend: kernels.momentum_update(bufs[backend], grads, finite, 0.95, True,
+                                                                          list(range(b)), backend))
+               for backend in ("torch", "triton")}
+        return 2 * b * m * n, 2 * b * m * n, fns
     p, q = n, m  # tall orientation: W, A are (b, n, m)
     Q = torch.linalg.qr(torch.randn(b, p, q, device=DEVICE, generator=generator)).Q
     W = (Q * torch.linspace(0.5, 2.0, q, device=DEVICE)).to(dtype)  # on DGram, spread column norms
@@ -97,7 +110,7 @@ def cases(op, bank, dtype, args):
 
 
 def relative_error(fused, reference):
-    if isinstance(fused, tuple):
+    if isinstance(fused, (tuple, list)):
         return max(relative_error(f, r) for f, r in zip(fused, reference))
     fused, reference = fused.double(), reference.double()
     return float((fused - reference).abs().max() / reference.abs().max().clamp_min(1e-30))

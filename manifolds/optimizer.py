@@ -570,7 +570,9 @@ class ManifoldMuon(torch.optim.Optimizer):
         _finish_bank. No sync: the momentum update reads the flags on the device
         (kernels.momentum). A function of its own: sharded parameters skip it, and bench.cost_model's
         sharded line, built from DDP's counts, drops these kernels by their call site."""
-        finite = torch.stack(torch._foreach_norm([grads[i] for i in checked], float("inf"))).isfinite()
+        # the largest |entry| is below inf exactly when every entry is finite (a NaN's comparison is
+        # False): one launch where isfinite decomposes into four
+        finite = torch.stack(torch._foreach_norm([grads[i] for i in checked], float("inf"))) < float("inf")
         for i, ok in zip(checked, finite.unbind(0)):
             self._finite[id(params[i])] = ok
         return finite

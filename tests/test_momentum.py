@@ -155,3 +155,16 @@ def test_bf16_gradients_are_read_as_they_are(backend):
     for a, b in zip(got, want):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=2e-7, atol=1e-7)
+
+
+def test_the_gpu_benchs_momentum_case_compares_like_with_like(monkeypatch):
+    """bench/kernels.py's momentum rows (timed on a GPU by bench/gpu_check.sh): each backend updates
+    buffers of its own from the same start, so the reported error compares one update with the
+    same update (with shared buffers the second backend's call started from the first's result)."""
+    from bench import kernels as bench_kernels
+    monkeypatch.setattr(bench_kernels, "DEVICE", DEVICE)
+    args = bench_kernels.parse_args(["--ops", "momentum"])
+    for dtype in bench_kernels.DTYPES.values():
+        _, _, fns = bench_kernels.cases("momentum", (3, 16, 40), dtype, args)
+        results = {backend: fn() for backend, fn in fns.items()}
+        assert bench_kernels.relative_error(results["triton"], results["torch"]) < 1e-6
