@@ -40,15 +40,34 @@ def momentum_update_torch(bufs, grads, finite, mu, nesterov, wanted):
 
 def momentum_update(bufs, grads, finite, mu, nesterov, wanted, backend="auto"):
     """[G of each wanted matrix] after the update above, by `backend` (kernels.BACKENDS): the
-    Triton kernel where it is selected and every tensor is contiguous, else the torch twin."""
+    Triton kernel where it is selected, for the matrices it takes (contiguous, an fp32 buffer, a
+    float gradient), and the torch twin for the rest (a transposed view's buffer, say)."""
     from kernels import TRITON_DTYPES, triton_selected  # the same dispatch as the products
     if not bufs:
         return []
-    if (not triton_selected(backend, bufs[0]) or not isinstance(mu, (int, float))
-            or not all(t.is_contiguous() for t in list(bufs) + list(grads))
-            or any(b.dtype != torch.float32 for b in bufs) or any(g.dtype not in TRITON_DTYPES for g in grads)):
-        # fp32 copies of bf16 or fp16 gradients (the kernel reads them as they are: 6 bytes an entry
-        # and a launch a matrix fewer)
-        return momentum_update_torch(bufs, [g.float() for g in grads], finite, mu, nesterov, wanted)
+    fused = []
+    if triton_selected(backend, bufs[0]) and isinstance(mu, (int, float)):
+        fused = [i for i, (b, g) in enumerate(zip(bufs, grads))
+                 if b.is_contiguous() and g.is_contiguous() and b.dtype == torch.float32 and g.dtype in TRITON_DTYPES]
+    rest = [i for i in range(len(bufs)) if i not in set(fused)]
+    out = {}
+    for part, run in ((fused, _triton), (rest, _twin)):
+        if not part:
+            continue
+        flags = None if finite is None else finite if len(part) == len(bufs) else finite[part]
+        where = {i: k for k, i in enumerate(part)}
+        got = run([bufs[i] for i in part], [grads[i] for i in part], flags, mu, nesterov,
+                  [where[i] for i in wanted if i in where])
+        out.update(zip([i for i in wanted if i in where], got))
+    return [out[i] for i in wanted]
+
+
+def _triton(bufs, grads, finite, mu, nesterov, wanted):
     from kernels import momentum_triton
     return momentum_triton.momentum_update(bufs, grads, finite, float(mu), nesterov, wanted)
+
+
+def _twin(bufs, grads, finite, mu, nesterov, wanted):
+    # fp32 copies of bf16 or fp16 gradients (the kernel reads them as they are: 6 bytes an entry
+    # and a launch a matrix fewer)
+    return momentum_update_torch(bufs, [g.float() for g in grads], finite, mu, nesterov, wanted)

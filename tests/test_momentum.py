@@ -77,14 +77,23 @@ def test_the_kernel_matches_its_torch_twin(nesterov):
         torch.testing.assert_close(a, b, rtol=2e-7, atol=1e-7)
 
 
-def test_non_contiguous_or_unusual_inputs_take_the_twin():
-    """A transposed gradient, a momentum that is a tensor: the twin's answer, not a wrong kernel read."""
+def test_non_contiguous_matrices_take_the_twin_and_the_others_the_kernel(monkeypatch):
+    """A column-major gradient (a transposed view's) goes to the twin, not to a kernel that reads
+    it as rows; the other matrices still take the kernel, each with its own finite flag."""
+    from kernels import momentum_triton
     bufs, grads, finite = case(2)
     grads[1] = grads[1].t().contiguous().t()  # same values, column-major
     twin_bufs = [b.clone() for b in bufs]
-    got = momentum_update(bufs, grads, finite, 0.9, True, [1], backend="triton")
-    want = momentum_update_torch(twin_bufs, grads, finite, 0.9, True, [1])
-    assert all(torch.equal(a, b) for a, b in zip(bufs, twin_bufs)) and torch.equal(got[0], want[0])
+    launched = []
+    kernel = momentum_triton.momentum_update
+    monkeypatch.setattr(momentum_triton, "momentum_update", lambda b, *a: launched.append(len(b)) or kernel(b, *a))
+    got = momentum_update(bufs, grads, finite, 0.9, True, [1, 2, 9], backend="triton")
+    want = momentum_update_torch(twin_bufs, grads, finite, 0.9, True, [1, 2, 9])
+    assert launched == [len(SHAPES) - 1]
+    for a, b in zip(bufs, twin_bufs):
+        assert torch.equal(a, b) if DEVICE == "cpu" else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-7, atol=1e-7)
 
 
 @cpu_only
@@ -168,3 +177,38 @@ def test_the_gpu_benchs_momentum_case_compares_like_with_like(monkeypatch):
         _, _, fns = bench_kernels.cases("momentum", (3, 16, 40), dtype, args)
         results = {backend: fn() for backend, fn in fns.items()}
         assert bench_kernels.relative_error(results["triton"], results["torch"]) < 1e-6
+
+
+def test_the_optimizer_keeps_the_same_momenta_on_the_kernel():
+    """ManifoldMuon with backend="triton" (the interpreter here, CUDA on a GPU) against backend
+    "torch": after two steps, one of them with a NaN gradient, every momentum buffer equal (bit for
+    bit in the interpreter, which rounds b mu + g twice as the twin does) and the NaN matrix's
+    buffer as it was."""
+    from manifolds import ManifoldMuon, project_to_manifold
+    g = torch.Generator().manual_seed(5)
+    shapes = [((40, 12), "stiefel"), ((48, 12), "dgram"), ((12, 40), "dgram"), ((16, 16), "none")]
+
+    def build(backend):
+        params = [torch.nn.Parameter((project_to_manifold(torch.randn(s, generator=torch.Generator().manual_seed(i)), m)
+                                      if m != "none" else torch.randn(s, generator=torch.Generator().manual_seed(i)))
+                                     .contiguous())  # a parameter as a module holds it
+                  for i, (s, m) in enumerate(shapes)]
+        groups = [{"params": [p], "manifold": m} for p, (_, m) in zip(params, shapes)]
+        return params, ManifoldMuon(groups, lr=0.05, backend=backend)
+
+    runs = {backend: build(backend) for backend in ("torch", "triton")}
+    grads = [[torch.randn(s, generator=g) for s, _ in shapes] for _ in range(2)]
+    grads[1][1][3, 4] = math.nan
+    kept = {}
+    for step, step_grads in enumerate(grads):
+        for backend, (params, opt) in runs.items():
+            for p, grad in zip(params, step_grads):
+                p.grad = grad.clone()
+            if step == 1:
+                kept[backend] = opt.state[params[1]]["momentum_buffer"].clone()
+            opt.step()
+    (tp, topt), (kp, kopt) = runs["torch"], runs["triton"]
+    assert all(p.is_contiguous() for p in kp)  # the kernel takes every matrix (not the twin for all)
+    for a, b in zip(tp, kp):
+        assert torch.equal(topt.state[a]["momentum_buffer"], kopt.state[b]["momentum_buffer"])
+    assert torch.equal(kopt.state[kp[1]]["momentum_buffer"], kept["triton"])
