@@ -381,7 +381,7 @@ class OpCounter(HostReadMode):
                 return False
             name = "scalar_tensor"  # `t[i] = 2.0`: on CUDA a 0-dim device tensor, made by a fill kernel
         triton = self._triton_depth > 0
-        # a foreach op is one call here but several kernels on CUDA (foreach_launches)
+        # a foreach op is one call here but several kernels on CUDA (foreach_kernel_bytes)
         launches = len(foreach_kernel_bytes(name, args, kwargs)) if name.startswith("_foreach_") and not triton else 1
         (self.fused if triton else self.kernels)[name] += launches
         if self.record_sites and not triton:
