@@ -524,39 +524,70 @@ def triton_attribution(counter, module=None):
 
     for name, fn in originals.items():
         setattr(module, name, wrap(name, fn))
-    from kernels import momentum
-    twin = momentum.momentum_update_torch
+    twins = [fused_twin(counter, *spec) for spec in FUSED_TWINS]
+    try:
+        yield counter
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)
+        for restore in twins:
+            restore()
+
+
+def _momentum_kernels(bufs, grads, finite, mu, nesterov, wanted):
+    """[bytes] of each launch of kernels.momentum_update's Triton kernel (momentum_triton): SLOTS
+    matrices a launch, each moving g and b in, b out and G out where wanted (flags: a byte a
+    matrix); None where CUDA would run the twin (kernels.momentum.momentum_update's test)."""
+    from kernels.momentum import SLOTS
+    if (not isinstance(mu, (int, float)) or any(b.dtype != torch.float32 for b in bufs)
+            or not all(t.is_contiguous() for t in list(bufs) + list(grads))):
+        return None
+    wanted = set(wanted)
+    present = [i for i in range(len(bufs)) if bufs[i].numel()]  # empty ones are skipped
+    return [sum(grads[i].numel() * grads[i].element_size() + bufs[i].numel() * 4 * (3 if i in wanted else 2)
+                for i in present[at:at + SLOTS]) for at in range(0, len(present), SLOTS)]
+
+
+def _moment_bound_kernels(t, f, m, log_scale, q, squarings):
+    """[bytes] of kernels.bound_from_moments's Triton launch: four (n,) vectors in, one out."""
+    vectors = (t, f, m, log_scale)
+    if t.dtype not in TRITON_DTYPES or any(v.shape != t.shape or v.dtype != t.dtype or not v.is_contiguous()
+                                           for v in vectors):
+        return None
+    return [5 * t.numel() * t.element_size()] if t.numel() else []
+
+
+# torch twins of the elementwise Triton kernels: (module, function, kernel bytes of a call or None)
+FUSED_TWINS = (("kernels.momentum", "momentum_update_torch", _momentum_kernels),
+               ("kernels.moment_bound", "bound_from_moments_torch", _moment_bound_kernels))
+
+
+def fused_twin(counter, module_name, name, kernel_bytes):
+    """Patch module.name (the torch twin of an elementwise Triton kernel) so that a call counts as
+    the kernel's launches and bytes, its own ops uncounted; returns the function that restores it.
+    Where kernel_bytes says CUDA would run the twin too (None), its ops count as they are."""
+    import importlib
+    module = importlib.import_module(module_name)
+    twin = getattr(module, name)
 
     @functools.wraps(twin)
-    def momentum_counted(bufs, grads, finite, mu, nesterov, wanted):
-        """kernels.momentum_update as CUDA runs it (momentum_triton): a launch per SLOTS matrices,
-        each moving g and b in, b out, and G out where wanted (the flags: a byte a matrix)."""
-        tensors = list(bufs) + list(grads)
-        if (counter._triton_depth or counter._paused or not isinstance(mu, (int, float))
-                or any(b.dtype != torch.float32 for b in bufs) or not all(t.is_contiguous() for t in tensors)):
-            return twin(bufs, grads, finite, mu, nesterov, wanted)  # the torch twin on the GPU too
+    def counted(*args):
+        kernels = None if counter._triton_depth or counter._paused else kernel_bytes(*args)
+        if kernels is None:
+            return twin(*args)
         with counter.paused():
-            out = twin(bufs, grads, finite, mu, nesterov, wanted)
+            out = twin(*args)
         site = call_site() if counter.record_sites else None
-        wanted = set(wanted)
-        present = [i for i in range(len(bufs)) if bufs[i].numel()]  # empty ones are skipped
-        for at in range(0, len(present), momentum.SLOTS):
-            moved = sum(grads[i].numel() * grads[i].element_size() + bufs[i].numel() * 4 * (3 if i in wanted else 2)
-                        for i in present[at:at + momentum.SLOTS])
-            counter.triton["momentum_update"] += 1
+        for moved in kernels:
+            counter.triton[name.removesuffix("_torch")] += 1
             counter.op_bytes.append(moved)
             if counter.record_sites:
                 counter.launch_sites[site] += 1
                 counter.op_sites.append(site)
         return out
 
-    momentum.momentum_update_torch = momentum_counted
-    try:
-        yield counter
-    finally:
-        for name, fn in originals.items():
-            setattr(module, name, fn)
-        momentum.momentum_update_torch = twin
+    setattr(module, name, counted)
+    return lambda: setattr(module, name, twin)
 
 
 # --- Simulated collectives ------------------------------------------------------------------
