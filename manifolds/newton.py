@@ -261,7 +261,7 @@ def newton_direction(W, G, geo, correction, plan, warm_steps=None, cold_steps=No
         return B.to(W.dtype), d2.to(W.dtype), C.to(W.dtype), residual.to(W.dtype), steps
     d2 = geo.squared_norms(W)
     model, M0 = bank_model(W, G, geo, d2, plan.backend)
-    _, signal = tangent_signal(W, G, M0, model.pair, plan)
+    signal = tangent_signal(W, G, M0, model.pair, plan)
     # no signal (0, normal, non-finite G): a finite stand-in problem (S = 0, Q = I), its answer discarded
     live = signal[..., None, None]
     eye = torch.eye(W.size(-1), dtype=W.dtype, device=W.device)

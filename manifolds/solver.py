@@ -131,9 +131,9 @@ def sketch_probes(q, dtype, device, columns=SKETCH_COLUMNS):
 
 
 def tangent_signal(W, G, M0, pair, plan):
-    """(norm, signal) per matrix: norm ~ ||Proj_T G||_F (> 0; 1 where there is no signal) and
-    whether G has a tangent part above rounding (signal_tolerance), from M0 = P(W^T G + G^T W) /
-    (d_i^2 + d_j^2) (Proj_T G = G - W M0) without forming Proj_T G:
+    """Per matrix, whether G has a tangent part above rounding (signal_tolerance), from
+    M0 = P(W^T G + G^T W) / (d_i^2 + d_j^2) (Proj_T G = G - W M0) without forming Proj_T G, by
+    two estimates of ||Proj_T G||_F^2:
 
     * in q x q, ||Proj_T G||_F^2 = ||G||_F^2 - <W^T G, M0> = ||G||_F^2 - <M0, pair M0> / 2 (the
       pair identity of geometry.py), exact to ~1e-7 ||G||_F^2: it cancels when G is nearly normal
@@ -143,8 +143,8 @@ def tangent_signal(W, G, M0, pair, plan):
       ~35% at k = 16; O(p q k), 2% of a p x q x q product at q = 768.
 
     The decision reads the sketch (a random tangent part 10x the tolerance would need a 16-probe
-    chi-square below 1e-2 of its mean to be missed) or the q x q value where that is precise; the
-    norm, the q x q value where it is precise (above 0.1 ||G||_F), else the sketch's."""
+    chi-square below 1e-2 of its mean to be missed) or the q x q value where that is precise.
+    (It returned an estimate of the norm too, which no caller read: 4 launches a bank, dropped.)"""
     g2 = G.square().sum(dim=(-2, -1))
     # g2 - 0.5 x: the product by 0.5 exact, so sub's alpha gives the same bits in one launch
     t2 = torch.sub(g2, (pair * M0.square()).sum(dim=(-2, -1)), alpha=0.5)
@@ -152,19 +152,16 @@ def tangent_signal(W, G, M0, pair, plan):
     Y = G @ probes - W @ (M0 @ probes)
     s2 = Y.square().sum(dim=(-2, -1)) / probes.size(-1)
     tol = signal_tolerance(plan)
-    # the four tests against multiples of g2 as one comparison of stacked values (the same products
-    # and comparisons, four launches fewer): s2 > tol^2 g2 and t2 > 1e-4 g2 (either estimate may see
-    # the signal: the q x q one wherever it is precise, t > 1e-2 ||G||_F, 10x its TF32 noise, which
-    # also covers a tangent part the q - k null directions of the fixed probes would hide from the
-    # sketch), t2 > 1e-2 g2 (the q x q value is precise) and g2 > 0
-    values = torch.stack([s2, t2, t2, g2])
-    factors = kept(("signal factors", tol), (4,), G, lambda: torch.tensor(
-        [tol * tol, 1e-4, 1e-2, 0.0], dtype=torch.float64).to(G.dtype).to(G.device))
-    above = values > factors.view((4,) + (1,) * g2.dim()) * g2
-    signal = finite(values).all(dim=0) & (above[0] | above[1]) & above[3]
-    norm2 = torch.where(above[2], t2, s2)
-    norm = torch.where(signal, norm2, scalar(1.0, norm2)).clamp_min(torch.finfo(G.dtype).tiny).sqrt()
-    return norm, signal
+    # the tests against multiples of g2 as one comparison of stacked values (the same products and
+    # comparisons, launches fewer): s2 > tol^2 g2 and t2 > 1e-4 g2 (either estimate may see the
+    # signal: the q x q one wherever it is precise, t > 1e-2 ||G||_F, 10x its TF32 noise, which also
+    # covers a tangent part the q - k null directions of the fixed probes would hide from the
+    # sketch) and g2 > 0
+    values = torch.stack([s2, t2, g2])
+    factors = kept(("signal factors", tol), (3,), G, lambda: torch.tensor(
+        [tol * tol, 1e-4, 0.0], dtype=torch.float64).to(G.dtype).to(G.device))
+    above = values > factors.view((3,) + (1,) * g2.dim()) * g2
+    return finite(values).all(dim=0) & (above[0] | above[1]) & above[2]
 
 
 def stand_in(G):
@@ -197,7 +194,7 @@ def with_signal(W, G, geo, d2, plan):
     G is kept where it has a signal (ADMM runs on the G it always ran on: its span reduction
     decides its precision fallback by a Cholesky that a rounding can flip), a stand-in elsewhere."""
     M0 = geo.preconditioned(W, G, d2, 1.0, plan.backend)
-    _, signal = tangent_signal(W, G, M0, pair_scale(d2), plan)
+    signal = tangent_signal(W, G, M0, pair_scale(d2), plan)
     return torch.where(signal[..., None, None], G, stand_in(G)), signal
 
 
@@ -474,7 +471,7 @@ def online_iterations(problem, G, correction, plan):
     W, geo = problem.W, problem.geo
     q = W.size(-1)
     M0 = problem.multiplier(G)  # Proj_T(G) = G - W M0
-    _, signal = tangent_signal(W, G, M0, problem.pair, plan)
+    signal = tangent_signal(W, G, M0, problem.pair, plan)
     G = torch.where(signal[..., None, None], G, stand_in(G))
     # (a stand-in's X = G + 2 W C need not be its tangent part: only its answer's finiteness matters)
     M0 = torch.where(signal[..., None, None], M0, scalar(0.0, M0))
