@@ -8,9 +8,9 @@
 # Steps and their time limits (seconds; a step past its limit gets SIGTERM, SIGKILL 10 s later;
 # the limits of the sequential steps sum to 420 s, which leaves 60 s of the 8 minutes for the
 # header, the verdict and a step slow to die):
-#   tests      100  tests/test_kernels.py, test_logit_max.py, test_momentum.py and test_moment_bound.py on
-#                   the GPU (TRITON_INTERPRET unset); the cold Triton compiles and the autotuning of the
-#                   tests' sizes happen here
+#   tests      100  tests/test_kernels.py, test_logit_max.py, test_momentum.py, test_moment_bound.py and
+#                   test_signal.py on the GPU (TRITON_INTERPRET unset); the cold Triton compiles and the
+#                   autotuning of the tests' sizes happen here
 #   (aot)     (100) tests/test_aot_compile.py if present: CPU builds, in parallel with `tests`
 #                   and under the same limit, joined before the benches (no extra time)
 #   kernels     55  bench/kernels.py, all bf16 rows, then fp32 (a slow run loses fp32 rows first)
@@ -125,7 +125,7 @@ if [[ -f tests/test_aot_compile.py ]]; then  # CPU builds (2 workers): beside th
     STEP_LOG=$WORK/aot.held step aot 100 "${PYTEST[@]}" tests/test_aot_compile.py > /dev/null &
     aot=$!
 fi
-step tests 100 "${PYTEST[@]}" tests/test_kernels.py tests/test_logit_max.py tests/test_momentum.py tests/test_moment_bound.py
+step tests 100 "${PYTEST[@]}" tests/test_kernels.py tests/test_logit_max.py tests/test_momentum.py tests/test_moment_bound.py tests/test_signal.py
 if [[ -n $aot ]]; then  # joined before the benches, whose eager timings include host work
     wait "$aot"
     tee -a "$LOG" < "$WORK/aot.held"

@@ -557,9 +557,18 @@ def _moment_bound_kernels(t, f, m, log_scale, q, squarings):
     return [5 * t.numel() * t.element_size()] if t.numel() else []
 
 
+def _signal_kernels(g2, m2, y2, probes, tol):
+    """[bytes] of kernels.signal_from_sums's Triton launch: three (n,) vectors in, n flags out."""
+    if g2.dtype not in TRITON_DTYPES or any(v.shape != g2.shape or v.dtype != g2.dtype or not v.is_contiguous()
+                                            for v in (g2, m2, y2)):
+        return None
+    return [g2.numel() * (3 * g2.element_size() + 1)] if g2.numel() else []
+
+
 # torch twins of the elementwise Triton kernels: (module, function, kernel bytes of a call or None)
 FUSED_TWINS = (("kernels.momentum", "momentum_update_torch", _momentum_kernels),
-               ("kernels.moment_bound", "bound_from_moments_torch", _moment_bound_kernels))
+               ("kernels.moment_bound", "bound_from_moments_torch", _moment_bound_kernels),
+               ("kernels.signal", "signal_from_sums_torch", _signal_kernels))
 
 
 def fused_twin(counter, module_name, name, kernel_bytes):

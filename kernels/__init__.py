@@ -19,6 +19,7 @@ from errors import UserError
 from kernels import matrix_sign, products_torch, tangent
 from kernels.moment_bound import bound_from_moments  # noqa: F401  (norm_bound's last step, kernels/moment_bound.py)
 from kernels.momentum import momentum_update  # noqa: F401  (the optimizer's momentum update, kernels/momentum.py)
+from kernels.signal import signal_from_sums  # noqa: F401  (solver.tangent_signal's last step, kernels/signal.py)
 from kernels.constants import scalar
 from kernels.precision import bf16_products, tf32_products  # noqa: F401  (re-exported: the solver's scopes)
 

@@ -146,22 +146,15 @@ def tangent_signal(W, G, M0, pair, plan):
     chi-square below 1e-2 of its mean to be missed) or the q x q value where that is precise.
     (It returned an estimate of the norm too, which no caller read: 4 launches a bank, dropped.)"""
     g2 = G.square().sum(dim=(-2, -1))
-    # g2 - 0.5 x: the product by 0.5 exact, so sub's alpha gives the same bits in one launch
-    t2 = torch.sub(g2, (pair * M0.square()).sum(dim=(-2, -1)), alpha=0.5)
+    m2 = (pair * M0.square()).sum(dim=(-2, -1))  # <M0, pair M0>
     probes = kept("probes", (G.size(-1), SKETCH_COLUMNS), G, lambda: sketch_probes(G.size(-1), G.dtype, G.device))
     Y = G @ probes - W @ (M0 @ probes)
-    s2 = Y.square().sum(dim=(-2, -1)) / probes.size(-1)
-    tol = signal_tolerance(plan)
-    # the tests against multiples of g2 as one comparison of stacked values (the same products and
-    # comparisons, launches fewer): s2 > tol^2 g2 and t2 > 1e-4 g2 (either estimate may see the
-    # signal: the q x q one wherever it is precise, t > 1e-2 ||G||_F, 10x its TF32 noise, which also
-    # covers a tangent part the q - k null directions of the fixed probes would hide from the
-    # sketch) and g2 > 0
-    values = torch.stack([s2, t2, g2])
-    factors = kept(("signal factors", tol), (3,), G, lambda: torch.tensor(
-        [tol * tol, 1e-4, 0.0], dtype=torch.float64).to(G.dtype).to(G.device))
-    above = values > factors.view((3,) + (1,) * g2.dim()) * g2
-    return finite(values).all(dim=0) & (above[0] | above[1]) & above[2]
+    # t2 = g2 - m2 / 2 and s2 = ||Y||_F^2 / k against multiples of g2 (kernels/signal.py: one launch
+    # on CUDA): s2 > tol^2 g2 or t2 > 1e-4 g2 (either estimate may see the signal: the q x q one
+    # wherever it is precise, t > 1e-2 ||G||_F, 10x its TF32 noise, which also covers a tangent
+    # part the q - k null directions of the fixed probes would hide from the sketch), and g2 > 0
+    return kernels.signal_from_sums(g2, m2, Y.square().sum(dim=(-2, -1)), probes.size(-1), signal_tolerance(plan),
+                                    plan.backend)
 
 
 def stand_in(G):
