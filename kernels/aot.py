@@ -153,6 +153,12 @@ def build(spec):
                                            config["num_stages"]))
 
 
+def function_specs(module, function, signature, constexprs, num_warps=4, num_stages=2, dtype="fp32"):
+    """One build_function spec per GPU target (TARGETS) of the @triton.jit `function` of `module`."""
+    return [dict(module=module, function=function, signature=signature, constexprs=constexprs, target=target,
+                 num_warps=num_warps, num_stages=num_stages, dtype=dtype) for target in TARGETS]
+
+
 def build_function(spec):
     """Compile any @triton.jit function: spec = dict(module, function, signature, constexprs,
     attrs, target, num_warps, num_stages), as triton.compiler.ASTSource takes them."""

@@ -49,14 +49,11 @@ def test_the_bound_holds_and_is_tight_on_both_backends(backend):
 @cpu_only
 def test_the_kernel_compiles_for_both_gpus():
     from kernels import moment_bound_triton
-    specs = []
-    for target in aot.TARGETS:
-        signature = {name: ("constexpr" if name == "BLOCK" else "i32" if name == "n"
-                            else "*fp32" if name in ("T", "F", "M", "L", "Out") else "fp32")
-                     for name in moment_bound_triton._bound_kernel.arg_names}
-        specs.append(dict(module="kernels.moment_bound_triton", function="_bound_kernel", signature=signature,
-                          constexprs={"BLOCK": moment_bound_triton.BLOCK}, target=target, num_warps=4,
-                          num_stages=2, dtype="fp32"))
+    signature = {name: ("constexpr" if name == "BLOCK" else "i32" if name == "n"
+                        else "*fp32" if name in ("T", "F", "M", "L", "Out") else "fp32")
+                 for name in moment_bound_triton._bound_kernel.arg_names}
+    specs = aot.function_specs("kernels.moment_bound_triton", "_bound_kernel", signature,
+                               {"BLOCK": moment_bound_triton.BLOCK})
     for result in aot.run(specs, n_jobs=2, builder=aot.build_function):
         assert result["ok"], f"{result['target']}: {result.get('error')}"
         assert result["spill_stores"] == 0, result

@@ -44,14 +44,10 @@ def test_the_kernel_makes_the_twins_decisions(n):
 @cpu_only
 def test_the_kernel_compiles_for_both_gpus():
     from kernels import signal_triton
-    specs = []
-    for target in aot.TARGETS:
-        signature = {name: ("constexpr" if name == "BLOCK" else "i32" if name == "n" else
-                            "*i1" if name == "Out" else "*fp32" if name in ("G2", "M2", "Y2") else "fp32")
-                     for name in signal_triton._signal_kernel.arg_names}
-        specs.append(dict(module="kernels.signal_triton", function="_signal_kernel", signature=signature,
-                          constexprs={"BLOCK": signal_triton.BLOCK}, target=target, num_warps=4,
-                          num_stages=2, dtype="fp32"))
+    signature = {name: ("constexpr" if name == "BLOCK" else "i32" if name == "n" else
+                        "*i1" if name == "Out" else "*fp32" if name in ("G2", "M2", "Y2") else "fp32")
+                 for name in signal_triton._signal_kernel.arg_names}
+    specs = aot.function_specs("kernels.signal_triton", "_signal_kernel", signature, {"BLOCK": signal_triton.BLOCK})
     for result in aot.run(specs, n_jobs=2, builder=aot.build_function):
         assert result["ok"], f"{result['target']}: {result.get('error')}"
         assert result["spill_stores"] == 0, result
