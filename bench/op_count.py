@@ -538,10 +538,9 @@ def _momentum_kernels(bufs, grads, finite, mu, nesterov, wanted):
     """[bytes] of each launch of kernels.momentum_update's Triton kernel (momentum_triton): SLOTS
     matrices a launch, each moving g and b in, b out and G out where wanted (flags: a byte a
     matrix); None where CUDA would run the twin (kernels.momentum.momentum_update's test)."""
-    from kernels.momentum import SLOTS
-    if (not isinstance(mu, (int, float)) or any(b.dtype != torch.float32 for b in bufs)
-            or not all(t.is_contiguous() for t in list(bufs) + list(grads))):
-        return None
+    from kernels.momentum import SLOTS, takes_kernel
+    if not all(takes_kernel(b, g, mu) for b, g in zip(bufs, grads)):
+        return None  # some to the twin: the whole call counted as torch ops (a conservative count)
     wanted = set(wanted)
     present = [i for i in range(len(bufs)) if bufs[i].numel()]  # empty ones are skipped
     return [sum(grads[i].numel() * grads[i].element_size() + bufs[i].numel() * 4 * (3 if i in wanted else 2)
@@ -550,17 +549,16 @@ def _momentum_kernels(bufs, grads, finite, mu, nesterov, wanted):
 
 def _moment_bound_kernels(t, f, m, log_scale, q, squarings):
     """[bytes] of kernels.bound_from_moments's Triton launch: four (n,) vectors in, one out."""
-    vectors = (t, f, m, log_scale)
-    if t.dtype not in TRITON_DTYPES or any(v.shape != t.shape or v.dtype != t.dtype or not v.is_contiguous()
-                                           for v in vectors):
+    from kernels import vectors_take_triton
+    if not vectors_take_triton(t, f, m, log_scale):
         return None
     return [5 * t.numel() * t.element_size()] if t.numel() else []
 
 
 def _signal_kernels(g2, m2, y2, probes, tol):
     """[bytes] of kernels.signal_from_sums's Triton launch: three (n,) vectors in, n flags out."""
-    if g2.dtype not in TRITON_DTYPES or any(v.shape != g2.shape or v.dtype != g2.dtype or not v.is_contiguous()
-                                            for v in (g2, m2, y2)):
+    from kernels import vectors_take_triton
+    if not vectors_take_triton(g2, m2, y2):
         return None
     return [g2.numel() * (3 * g2.element_size() + 1)] if g2.numel() else []
 

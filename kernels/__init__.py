@@ -85,6 +85,14 @@ def triton_selected(backend, *tensors):
     return True
 
 
+def vectors_take_triton(*vectors):
+    """Whether per-matrix vectors (n,) can go to an elementwise Triton kernel (moment_bound,
+    signal): one shape, one of TRITON_DTYPES, contiguous. bench.op_count prices by the same test."""
+    first = vectors[0]
+    return first.dtype in TRITON_DTYPES and all(
+        v.shape == first.shape and v.dtype == first.dtype and v.is_contiguous() for v in vectors)
+
+
 def products_for(backend, *tensors):
     """The products module (`products_torch` or `products_triton`) that runs `tensors`."""
     return _triton_products()[0] if triton_selected(backend, *tensors) else products_torch

@@ -18,10 +18,8 @@ def bound_from_moments_torch(t, f, m, log_scale, q, squarings):
 
 def bound_from_moments(t, f, m, log_scale, q, squarings, backend="auto"):
     """The bound above for t, f, m, log_scale (n,) of one dtype, by `backend` (kernels.BACKENDS)."""
-    from kernels import TRITON_DTYPES, triton_selected  # the same dispatch as the products
-    vectors = (t, f, m, log_scale)
-    if (not triton_selected(backend, t) or t.dtype not in TRITON_DTYPES
-            or any(v.shape != t.shape or v.dtype != t.dtype or not v.is_contiguous() for v in vectors)):
+    from kernels import triton_selected, vectors_take_triton  # the same dispatch as the products
+    if not triton_selected(backend, t) or not vectors_take_triton(t, f, m, log_scale):
         return bound_from_moments_torch(t, f, m, log_scale, q, squarings)
     from kernels import moment_bound_triton
     return moment_bound_triton.bound_from_moments(t, f, m, log_scale, q, squarings)

@@ -38,18 +38,24 @@ def momentum_update_torch(bufs, grads, finite, mu, nesterov, wanted):
     return torch._foreach_add(grads, bufs, alpha=mu) if nesterov else torch._foreach_mul(bufs, 1.0)
 
 
+def takes_kernel(buf, grad, mu):
+    """Whether the Triton kernel takes this matrix: contiguous, an fp32 buffer, a float gradient, a
+    momentum that is a number (bench.op_count prices by the same test)."""
+    from kernels import TRITON_DTYPES
+    return (isinstance(mu, (int, float)) and buf.is_contiguous() and grad.is_contiguous()
+            and buf.dtype == torch.float32 and grad.dtype in TRITON_DTYPES)
+
+
 def momentum_update(bufs, grads, finite, mu, nesterov, wanted, backend="auto"):
     """[G of each wanted matrix] after the update above, by `backend` (kernels.BACKENDS): the
     Triton kernel where it is selected, for the matrices it takes (contiguous, an fp32 buffer, a
     float gradient), and the torch twin for the rest (a transposed view's buffer, say)."""
-    from kernels import TRITON_DTYPES, triton_selected  # the same dispatch as the products
+    from kernels import triton_selected  # the same dispatch as the products
     if not bufs:
         return []
-    fused = []
-    if triton_selected(backend, bufs[0]) and isinstance(mu, (int, float)):
-        fused = [i for i, (b, g) in enumerate(zip(bufs, grads))
-                 if b.is_contiguous() and g.is_contiguous() and b.dtype == torch.float32 and g.dtype in TRITON_DTYPES]
-    rest = [i for i in range(len(bufs)) if i not in set(fused)]
+    fused = ([i for i, (b, g) in enumerate(zip(bufs, grads)) if takes_kernel(b, g, mu)]
+             if triton_selected(backend, bufs[0]) else [])
+    rest = sorted(set(range(len(bufs))) - set(fused))
     out = {}
     for part, run in ((fused, _triton), (rest, _twin)):
         if not part:

@@ -29,10 +29,8 @@ def signal_from_sums_torch(g2, m2, y2, probes, tol):
 
 def signal_from_sums(g2, m2, y2, probes, tol, backend="auto"):
     """The signal above for g2, m2, y2 (n,) of one dtype (`probes` = k), by `backend`."""
-    from kernels import TRITON_DTYPES, triton_selected  # the same dispatch as the products
-    sums = (g2, m2, y2)
-    if (not triton_selected(backend, g2) or g2.dtype not in TRITON_DTYPES
-            or any(v.shape != g2.shape or v.dtype != g2.dtype or not v.is_contiguous() for v in sums)):
+    from kernels import triton_selected, vectors_take_triton  # the same dispatch as the products
+    if not triton_selected(backend, g2) or not vectors_take_triton(g2, m2, y2):
         return signal_from_sums_torch(g2, m2, y2, probes, tol)
     from kernels import signal_triton
     return signal_triton.signal_from_sums(g2, m2, y2, probes, tol)

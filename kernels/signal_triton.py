@@ -1,6 +1,8 @@
 """Triton kernel of kernels/signal.py: the tangent signal from three per-matrix sums, n matrices
 in one launch. The factors are the twin's, rounded to the sums' dtype first (fp32), so that the
 comparisons are the twin's."""
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,12 +26,18 @@ def _signal_kernel(G2, M2, Y2, Out, n, inv_probes, sketch_factor, exact_factor, 
     tl.store(Out + offs, signal, mask=mask)
 
 
+@functools.lru_cache(maxsize=None)
+def factors(tol, dtype):
+    """(tol^2, EXACT_FACTOR) as the twin holds them: float64 rounded to the sums' dtype (host
+    numbers, worked out once per tolerance and dtype, not each step)."""
+    return tuple(float(torch.tensor(x, dtype=torch.float64).to(dtype)) for x in (tol * tol, EXACT_FACTOR))
+
+
 def signal_from_sums(g2, m2, y2, probes, tol):
     n = g2.numel()
     out = torch.empty(g2.shape, dtype=torch.bool, device=g2.device)
     if n:
-        # the factors as the twin holds them: float64 rounded to the sums' dtype
-        sketch, exact = (float(torch.tensor(x, dtype=torch.float64).to(g2.dtype)) for x in (tol * tol, EXACT_FACTOR))
+        sketch, exact = factors(tol, g2.dtype)
         _signal_kernel[(triton.cdiv(n, BLOCK),)](g2, m2, y2, out, n, 1.0 / probes, sketch, exact, BLOCK=BLOCK,
                                                 num_warps=4)
     return out
